@@ -1,0 +1,1 @@
+"""Kernel IR, Triton emission, the kernel compile cache and kernel autotuning."""

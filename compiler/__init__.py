@@ -1,0 +1,1 @@
+"""zeroc: a torch.compile backend for ZeRO-sharded, pipelined training."""

@@ -1,0 +1,1 @@
+"""Graph-to-graph transforms, one per file; see pipeline.py for the order."""

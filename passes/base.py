@@ -1,0 +1,103 @@
+"""The pass protocol: a pass is ``def name(gm, ctx) -> PassResult``.
+
+``run_passes`` applies a literal list of passes to one graph. After each pass it lints the
+graph, recompiles it, and records the graph text before and after (provenance), so that
+``zeroc.explain`` can show what every pass did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the (possibly new) graph, whether it changed, and counters."""
+
+    gm: torch.fx.GraphModule
+    changed: bool
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """State shared by the passes that run over one graph.
+
+    ``config`` is the frozen Config; ``graph_name`` names the graph in the plan (e.g.
+    ``"g0.forward"``); ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``.
+    ``kernels`` collects the kernel records (``zeroc.runtime.plan.KernelInfo``) produced by
+    codegen; ``collectives`` and ``extras`` let later passes publish facts for the plan.
+    """
+
+    config: Any
+    graph_name: str
+    kind: str
+    device: torch.device = torch.device("cpu")
+    kernels: list[Any] = dataclasses.field(default_factory=list)
+    collectives: list[Any] = dataclasses.field(default_factory=list)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """Provenance of one pass over one graph: the readable graph before and after."""
+
+    pass_name: str
+    graph_name: str
+    changed: bool
+    nodes_before: int
+    nodes_after: int
+    before: str
+    after: str
+    stats: dict[str, Any]
+
+
+GraphPass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
+
+
+def graph_text(gm: torch.fx.GraphModule) -> str:
+    """The graph as readable Python-like text (one line per node)."""
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def count_nodes(gm: torch.fx.GraphModule) -> int:
+    """Nodes that do work: calls, not placeholders or the output."""
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+
+
+def run_passes(
+    gm: torch.fx.GraphModule,
+    ctx: PassContext,
+    passes: Sequence[GraphPass],
+    record: bool = True,
+) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
+    """Apply ``passes`` in order; return the final graph and one record per pass."""
+    records: list[PassRecord] = []
+    for graph_pass in passes:
+        before = graph_text(gm) if record else ""
+        n_before = count_nodes(gm)
+        result = graph_pass(gm, ctx)
+        if not isinstance(result, PassResult):
+            raise TypeError(f"pass {graph_pass.__name__} returned {type(result).__name__}, "
+                            "expected PassResult")
+        gm = result.gm
+        gm.graph.lint()
+        gm.recompile()
+        records.append(
+            PassRecord(
+                pass_name=graph_pass.__name__,
+                graph_name=ctx.graph_name,
+                changed=result.changed,
+                nodes_before=n_before,
+                nodes_after=count_nodes(gm),
+                before=before,
+                after=graph_text(gm) if record else "",
+                stats=dict(result.stats),
+            )
+        )
+    return gm, records
