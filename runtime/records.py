@@ -1,0 +1,118 @@
+"""Immutable records that make up a Plan: graphs, nodes' costs, parameters, kernels, passes.
+
+Every record is a frozen dataclass of plain values (str, int, float, bool, tuples of those or
+of other records) so that a Plan round-trips through JSON exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCost:
+    """Cost of one graph node, computed from its fake-tensor metadata."""
+
+    name: str
+    target: str
+    flops: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInfo:
+    """One compiled functional graph (a forward, backward or inference graph)."""
+
+    name: str
+    kind: str
+    nodes: int
+    inputs: int
+    outputs: int
+    flops: int
+    bytes: int
+    peak_bytes: int
+    node_costs: tuple[NodeCost, ...]
+    code: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """A model parameter as the compiled graph sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInfo:
+    """A generated kernel: which graph node it replaces and how it runs.
+
+    ``backend`` is ``"triton"`` when the generated Triton source is launched, ``"aten"`` when
+    the fused group runs through the original aten ops (no Triton available for the device).
+    ``block`` lists the launch parameters chosen (name, value) - autotuned where possible.
+    """
+
+    name: str
+    graph: str
+    backend: str
+    kind: str
+    ops: tuple[str, ...]
+    numel: int
+    source: str
+    source_hash: str
+    block: tuple[tuple[str, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PassInfo:
+    """What one pass did to one graph; ``before``/``after`` are the graph texts."""
+
+    pass_name: str
+    graph: str
+    changed: bool
+    nodes_before: int
+    nodes_after: int
+    before: str
+    after: str
+    stats: tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """A pipeline stage: the modules it holds and what it costs."""
+
+    index: int
+    modules: tuple[str, ...]
+    params: int
+    param_bytes: int
+    flops: int
+    activation_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveInfo:
+    """A collective in a compiled graph (bucket of parameters, bytes, issue and wait points)."""
+
+    name: str
+    graph: str
+    op: str
+    group: str
+    params: tuple[str, ...]
+    bytes: int
+    issued_at: str
+    waited_at: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated bytes on one rank."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    peak: int
