@@ -17,14 +17,15 @@ class CNNConfig:
     """Sizes of the CNN: one conv-BN-ReLU block per entry of ``channels``.
 
     The first blocks are followed by 2x2 max pooling, the last by global average pooling;
-    ``image_size`` must be divisible by ``2 ** (len(channels) - 1)``.
+    ``image_size`` must be divisible by ``2 ** (len(channels) - 1)``. ``bn_momentum=None`` makes
+    BatchNorm keep a cumulative average, which reads ``num_batches_tracked``.
     """
 
     in_channels: int = 3
     channels: tuple[int, ...] = (8, 16)
     num_classes: int = 10
     image_size: int = 8
-    bn_momentum: float = 0.1
+    bn_momentum: float | None = 0.1
 
     def __post_init__(self) -> None:
         if not self.channels:
