@@ -1,0 +1,131 @@
+"""Capture: one Dynamo graph -> AOTAutograd joint graph -> forward/backward graphs -> passes.
+
+``compile_dynamo_graph`` is called once per Dynamo graph (a model with graph breaks gives
+several; a recompile on new shapes gives another). AOTAutograd traces the joint
+forward+backward graph with our decompositions, our partition function splits it into
+functional forward and backward graphs (recording the joint graph for the plan), and each of
+those runs through the literal pass pipeline before the runtime executes it. AOTAutograd's
+runtime wrapper keeps eager semantics: input mutations (BatchNorm running stats) are applied
+after the graph, ``torch.no_grad()`` takes the inference graph, and autograd calls the backward.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+from zeroc.config import Config
+from zeroc.passes.base import PassContext, graph_text, run_passes
+from zeroc.passes.decompositions import decomposition_table
+from zeroc.passes.pipeline import SINGLE_DEVICE_PASSES
+from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
+from zeroc.runtime.executor import GraphExecutor
+from zeroc.runtime.records import ParamInfo, PassInfo
+from zeroc.session import CompiledGraph, CompileSession
+
+
+def source_name(placeholder: torch.fx.Node) -> str:
+    """A readable name for a Dynamo placeholder: ``layers.0.attn.weight`` or ``x``."""
+    grapharg = placeholder.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return placeholder.name
+    text = source.name() if callable(source.name) else str(source.name)
+    parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", text)
+    if parts:
+        return ".".join(parts)
+    match = re.fullmatch(r"L\['([^']+)'\]", text)
+    return match.group(1) if match else text
+
+
+def parameter_infos(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[ParamInfo, ...]:
+    """The parameters among the Dynamo graph's inputs, in input order."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    infos = []
+    for node, value in zip(placeholders, example_inputs, strict=False):
+        if isinstance(value, torch.nn.Parameter):
+            infos.append(ParamInfo(
+                name=source_name(node),
+                shape=tuple(int(s) for s in value.shape),
+                dtype=str(value.dtype).replace("torch.", ""),
+                numel=value.numel(),
+                bytes=value.numel() * value.element_size(),
+            ))
+    return tuple(infos)
+
+
+def _graph_device(example_inputs: list[Any]) -> torch.device:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def compile_dynamo_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    config: Config,
+    session: CompileSession,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph; returns the callable Dynamo will run in its place."""
+    prefix = f"g{session.next_graph_index()}"
+    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
+                           dynamo_code=graph_text(gm))
+    device = _graph_device(example_inputs)
+    record.device = str(device)
+    session.add(record)
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+                  **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        record.joint = graph_info(joint, f"{prefix}.joint", "joint", graph_text(joint))
+        record.num_fwd_outputs = num_fwd_outputs
+        if config.partitioner == "min_cut":
+            return min_cut_rematerialization_partition(
+                joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        kwargs.pop("compiler", None)
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def make_compiler(kind: str) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
+        def compile_graph(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
+            name = f"{prefix}.{kind}"
+            ctx = PassContext(config=config, graph_name=name, kind=kind, device=device)
+            graph, pass_records = run_passes(graph, ctx, SINGLE_DEVICE_PASSES,
+                                             record=config.record_graphs)
+            record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
+            record.kernels.extend(ctx.kernels)
+            record.passes.extend(
+                PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
+                         nodes_before=r.nodes_before, nodes_after=r.nodes_after,
+                         before=r.before, after=r.after,
+                         stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
+                for r in pass_records
+            )
+            record.transient_bytes = max(record.transient_bytes,
+                                         peak_bytes(graph, include_inputs=False))
+            if kind == "forward":
+                record.saved_bytes = _saved_bytes(graph, record.num_fwd_outputs)
+            return GraphExecutor(graph, name)
+
+        return compile_graph
+
+    backend = aot_autograd(
+        fw_compiler=make_compiler("forward"),
+        bw_compiler=make_compiler("backward"),
+        inference_compiler=make_compiler("inference"),
+        partition_fn=partition,
+        decompositions=decomposition_table(),
+    )
+    return backend(gm, example_inputs)
+
+
+def _saved_bytes(forward: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Bytes the forward saves for the backward (its outputs after the user-visible ones)."""
+    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
+    saved = output.args[0][num_fwd_outputs:]
+    return sum(tensor_bytes(n.meta.get("val")) for n in saved if isinstance(n, torch.fx.Node))

@@ -1,0 +1,96 @@
+"""The one validated, frozen Config that every part of zeroc reads.
+
+``torch.compile(m, backend="zeroc", options={...})`` or ``mode=...`` reaches ``Config.build``.
+Unknown keys and bad values raise ``OptionError`` (a ``ValueError``) naming the key, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from zeroc.errors import OptionError
+
+MODES = ("default", "max-autotune")
+KERNEL_BACKENDS = ("auto", "triton", "aten")
+PARTITIONERS = ("min_cut", "default")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Compile options. Every field is documented in README.md ("Options").
+
+    kernels: "auto" runs generated Triton kernels on CUDA tensors and the fused groups' aten
+        ops elsewhere; "triton" always launches Triton (on CPU needs TRITON_INTERPRET=1);
+        "aten" never launches Triton (sources are still generated and shown in the plan).
+    fusion: fuse pointwise chains and last-dimension reductions into kernels.
+    partitioner: "min_cut" (recompute cheap ops, save less) or "default" (save what the
+        forward computed) for splitting the joint graph into forward and backward.
+    kernel_autotune: time a few block configurations of each kernel on first launch (GPU
+        only) and persist the winner; on by default under mode="max-autotune".
+    record_graphs: keep each pass's graph text before and after, for ``zeroc.explain``.
+    cache_dir: where generated kernel sources and autotune results are stored.
+    """
+
+    mode: str = "default"
+    kernels: str = "auto"
+    fusion: bool = True
+    partitioner: str = "min_cut"
+    kernel_autotune: bool = False
+    record_graphs: bool = True
+    cache_dir: str = "~/.cache/zeroc"
+
+    @staticmethod
+    def build(mode: str | None = None, options: Mapping[str, Any] | None = None) -> Config:
+        """Validate ``mode`` and ``options`` and return the frozen Config."""
+        mode = "default" if mode is None else mode
+        if mode not in MODES:
+            raise OptionError(f"zeroc: mode={mode!r} is not supported; allowed: {list(MODES)}")
+        values: dict[str, Any] = {"mode": mode}
+        if mode == "max-autotune":
+            values["kernel_autotune"] = True
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise OptionError(f"zeroc: options must be a dict, got {type(options).__name__}")
+        known = {f.name for f in dataclasses.fields(Config)} - {"mode"}
+        for key, value in options.items():
+            if key not in known:
+                raise OptionError(
+                    f"zeroc: unknown option {key!r} (value {value!r}); "
+                    f"known options: {sorted(known)}"
+                )
+            values[key] = _check(key, value)
+        return Config(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a plain dict (for the plan)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def cache_path(self) -> str:
+        """``cache_dir`` with ``~`` expanded."""
+        return os.path.expanduser(self.cache_dir)
+
+
+def _check(key: str, value: Any) -> Any:
+    """Return ``value`` if it is allowed for ``key``; raise ValueError otherwise."""
+    choices = {"kernels": KERNEL_BACKENDS, "partitioner": PARTITIONERS}
+    if key in choices:
+        if value not in choices[key]:
+            raise OptionError(
+                f"zeroc: option {key}={value!r} is not allowed; allowed: {list(choices[key])}"
+            )
+        return value
+    if key in ("fusion", "kernel_autotune", "record_graphs"):
+        if not isinstance(value, bool):
+            raise OptionError(f"zeroc: option {key}={value!r} must be True or False")
+        return value
+    if key == "cache_dir":
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise OptionError(f"zeroc: option cache_dir={value!r} must be a non-empty path")
+        return str(value)
+    raise AssertionError(f"option {key} has no check")

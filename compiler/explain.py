@@ -1,0 +1,111 @@
+"""``zeroc.explain``: the Plan of everything zeroc compiled for a model or function."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from zeroc.runtime.plan import PLAN_FORMAT, Plan, PlanMeta
+from zeroc.runtime.records import MemoryEstimate, ParamInfo, StageInfo
+from zeroc.session import SESSION_ATTR, CompileSession, wrapper_of
+
+# Adam keeps two fp32 moments per parameter element.
+ADAM_STATES = 2
+
+
+def _versions() -> tuple[str, str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        zeroc_version = version("zeroc")
+    except PackageNotFoundError:
+        zeroc_version = "unknown"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return zeroc_version, torch.__version__, triton_version
+
+
+def explain(compiled: Any) -> Plan:
+    """Return the Plan of what zeroc compiled for ``compiled``.
+
+    ``compiled`` is what ``torch.compile(..., backend="zeroc")`` returned. Compilation is
+    lazy: call it once before asking for its plan.
+    """
+    wrapper = wrapper_of(compiled)
+    if wrapper is None:
+        raise ValueError(
+            f"zeroc.explain: {type(compiled).__name__} was not compiled by zeroc; pass what "
+            "torch.compile(model, backend=\"zeroc\") returned"
+        )
+    session = getattr(wrapper, SESSION_ATTR, None)
+    if session is None or not session.records:
+        name = getattr(wrapper, "compiler_name", "?")
+        if name != "zeroc" and not str(name).startswith("zeroc"):
+            raise ValueError(
+                f"zeroc.explain: this object was compiled with backend={name!r}, not zeroc"
+            )
+        raise ValueError(
+            "zeroc.explain: nothing has been compiled yet; torch.compile compiles on the "
+            "first call, so call the compiled model once before explaining it"
+        )
+    return build_plan(session)
+
+
+def _unique_params(session: CompileSession) -> tuple[ParamInfo, ...]:
+    seen: dict[str, ParamInfo] = {}
+    for record in session.records:
+        for param in record.params:
+            seen.setdefault(param.name, param)
+    return tuple(seen.values())
+
+
+def build_plan(session: CompileSession) -> Plan:
+    """Freeze a session's records into a Plan (single device: one stage, rank 0)."""
+    zeroc_version, torch_version, triton_version = _versions()
+    graphs = tuple(g for r in session.records for g in ([r.joint] if r.joint else []) + r.graphs)
+    params = _unique_params(session)
+    param_bytes = sum(p.bytes for p in params)
+    forward_flops = sum(g.flops for g in graphs if g.kind in ("forward", "inference"))
+    saved = sum(r.saved_bytes for r in session.records)
+    activations = saved + max((r.transient_bytes for r in session.records), default=0)
+    modules = tuple(dict.fromkeys(p.name.split(".")[0] for p in params))
+    stage = StageInfo(index=0, modules=modules, params=sum(p.numel for p in params),
+                      param_bytes=param_bytes, flops=forward_flops, activation_bytes=saved)
+    memory = MemoryEstimate(
+        rank=0, params=param_bytes, grads=param_bytes, optimizer=ADAM_STATES * param_bytes,
+        activations=activations,
+        peak=(2 + ADAM_STATES) * param_bytes + activations,
+    )
+    graph_hash = hashlib.sha256(
+        "\n".join(g.code for g in graphs if g.kind != "joint").encode()).hexdigest()[:16]
+    config = session.config
+    devices = {str(r.device) for r in session.records}
+    meta = PlanMeta(
+        format=PLAN_FORMAT,
+        zeroc_version=zeroc_version,
+        torch_version=torch_version,
+        triton_version=triton_version,
+        device=",".join(sorted(devices)) or "cpu",
+        world_size=1,
+        mesh=(),
+        zero=0,
+        schedule="none",
+        options=tuple((k, str(v)) for k, v in config.to_dict().items()),
+        graph_hash=graph_hash,
+    )
+    return Plan(
+        meta=meta,
+        graphs=graphs,
+        stages=(stage,),
+        params=params,
+        kernels=tuple(k for r in session.records for k in r.kernels),
+        collectives=(),
+        memory=(memory,),
+        passes=tuple(p for r in session.records for p in r.passes),
+    )

@@ -1,0 +1,164 @@
+"""Cost model v0: FLOPs and bytes moved for every node of a graph, from fake tensors.
+
+FLOPs of matmuls, convolutions and attention come from ``torch.utils.flop_counter``'s formula
+registry (the same numbers ``FlopCounterMode`` reports). Every other op that produces a tensor
+is counted as one FLOP per output element for pointwise work, or one per input element for
+reductions. Bytes are the bytes read (tensor inputs) plus written (tensor outputs); views and
+other aliasing ops move no bytes. Peak memory is a liveness walk over the graph: inputs stay
+live for the whole graph, every other value is freed after its last use.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from zeroc.runtime.records import GraphInfo, NodeCost
+
+aten = torch.ops.aten
+
+# Ops that return a view of (or share storage with) an input: no bytes move.
+_ALIAS_PACKETS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.t,
+    aten.transpose, aten.squeeze, aten.unsqueeze, aten.slice, aten.select, aten.alias,
+    aten.as_strided, aten.detach, aten.split, aten.split_with_sizes, aten.unbind,
+    aten.view_as_real, aten.view_as_complex, aten.unfold, aten.diagonal, aten.lift_fresh,
+}
+_REDUCTION_PACKETS = {
+    aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,
+    aten.std, aten.prod, aten.argmax, aten.argmin, aten.logsumexp, aten.norm,
+    aten._log_softmax, aten._softmax, aten.native_layer_norm, aten.native_layer_norm_backward,
+    aten._softmax_backward_data, aten._log_softmax_backward_data, aten.nll_loss_forward,
+    aten.nll_loss_backward,
+}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or a nested tuple/list of them)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _node_value(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _packet(target: Any) -> Any:
+    return getattr(target, "overloadpacket", None)
+
+
+def node_cost(node: torch.fx.Node) -> NodeCost:
+    """FLOPs and bytes of one ``call_function`` node (zero for anything else)."""
+    name, target = node.name, _target_name(node)
+    if node.op != "call_function" or node.target is operator.getitem:
+        return NodeCost(name, target, 0, 0)
+    out = node.meta.get("val")
+    packet = _packet(node.target)
+    if packet in _ALIAS_PACKETS:
+        return NodeCost(name, target, 0, 0)
+    args = torch.fx.node.map_arg(node.args, _node_value)
+    kwargs = torch.fx.node.map_arg(node.kwargs, _node_value)
+    in_tensors = _tensors((args, kwargs))
+    read = sum(t.numel() * t.element_size() for t in in_tensors)
+    written = tensor_bytes(out)
+    flops = 0
+    formula = flop_registry.get(packet)
+    if formula is not None:
+        try:
+            flops = int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not accept these args: fall back below
+            formula = None
+    if formula is None:
+        counter = getattr(node.target, "zeroc_flops", None)
+        if counter is not None:
+            flops = int(counter(in_tensors, _tensors(out)))
+        elif packet in _REDUCTION_PACKETS:
+            flops = sum(t.numel() for t in in_tensors)
+        else:
+            flops = sum(t.numel() for t in _tensors(out))
+    return NodeCost(name, target, flops, read + written)
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    name = getattr(target, "zeroc_name", None) or getattr(target, "__name__", None)
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return name or type(target).__name__
+
+
+def peak_bytes(gm: torch.fx.GraphModule, include_inputs: bool = True) -> int:
+    """Peak bytes live while the graph runs, freeing each value after its last use.
+
+    With ``include_inputs`` the graph's inputs (live throughout) are added; without, only the
+    values the graph itself allocates are counted.
+    """
+    nodes = list(gm.graph.nodes)
+    last_use: dict[torch.fx.Node, int] = {}
+    for index, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[arg] = index
+    live = 0
+    peak = 0
+    inputs = 0
+    for index, node in enumerate(nodes):
+        if node.op == "placeholder":
+            inputs += tensor_bytes(node.meta.get("val"))
+            continue
+        if node.op == "output":
+            continue
+        if _packet(node.target) not in _ALIAS_PACKETS and node.target is not operator.getitem:
+            live += tensor_bytes(node.meta.get("val"))
+        peak = max(peak, live)
+        for arg in node.all_input_nodes:
+            if last_use.get(arg) == index and arg.op != "placeholder":
+                if _packet(arg.target) not in _ALIAS_PACKETS and arg.target is not operator.getitem:
+                    live -= tensor_bytes(arg.meta.get("val"))
+        if node not in last_use:  # dead value, freed at once (outputs are used by "output")
+            if _packet(node.target) not in _ALIAS_PACKETS and node.target is not operator.getitem:
+                live -= tensor_bytes(node.meta.get("val"))
+    return inputs + peak if include_inputs else peak
+
+
+def graph_info(gm: torch.fx.GraphModule, name: str, kind: str, code: str = "") -> GraphInfo:
+    """Summarize a graph: node count, inputs/outputs, FLOPs, bytes, peak bytes, per-node costs."""
+    costs = tuple(node_cost(n) for n in gm.graph.nodes if n.op == "call_function")
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return GraphInfo(
+        name=name,
+        kind=kind,
+        nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+        inputs=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
+        outputs=len(_flat_outputs(outputs.args[0])),
+        flops=sum(c.flops for c in costs),
+        bytes=sum(c.bytes for c in costs),
+        peak_bytes=peak_bytes(gm),
+        node_costs=costs,
+        code=code,
+    )
+
+
+def _flat_outputs(value: Any) -> list[Any]:
+    leaves, _ = tree_flatten(value)
+    return leaves
+
+
+def total(costs: Iterable[NodeCost]) -> tuple[int, int]:
+    """Summed (FLOPs, bytes) of ``costs``."""
+    flops = moved = 0
+    for cost in costs:
+        flops += cost.flops
+        moved += cost.bytes
+    return flops, moved

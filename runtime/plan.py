@@ -1,0 +1,118 @@
+"""The Plan: an immutable, printable, JSON-round-tripping record of what zeroc compiled.
+
+A Plan holds the meta data (versions, world, options, graph hash), the compiled graphs with
+their costs, the stages, the parameters, the kernels, the collectives, the memory estimate per
+rank and every pass's graph before and after. ``str(plan)`` prints tables; ``to_json`` and
+``Plan.from_json`` round-trip exactly (``Plan.from_json(p.to_json()) == p``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from typing import Any
+
+from zeroc.runtime.records import (
+    CollectiveInfo,
+    GraphInfo,
+    KernelInfo,
+    MemoryEstimate,
+    ParamInfo,
+    PassInfo,
+    StageInfo,
+)
+
+PLAN_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanMeta:
+    """Where and how the plan was made."""
+
+    format: int
+    zeroc_version: str
+    torch_version: str
+    triton_version: str
+    device: str
+    world_size: int
+    mesh: tuple[tuple[str, int], ...]
+    zero: int
+    schedule: str
+    options: tuple[tuple[str, str], ...]
+    graph_hash: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything zeroc decided for one compiled model or function."""
+
+    meta: PlanMeta
+    graphs: tuple[GraphInfo, ...]
+    stages: tuple[StageInfo, ...]
+    params: tuple[ParamInfo, ...]
+    kernels: tuple[KernelInfo, ...]
+    collectives: tuple[CollectiveInfo, ...]
+    memory: tuple[MemoryEstimate, ...]
+    passes: tuple[PassInfo, ...]
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The plan as JSON text."""
+        return json.dumps(_to_plain(self), indent=indent, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """Rebuild a Plan from ``to_json`` output."""
+        return _from_plain(Plan, json.loads(text))
+
+    def digest(self) -> str:
+        """A short hash of the plan's content (the same plan gives the same digest)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def graph(self, name: str) -> GraphInfo:
+        """The compiled graph called ``name`` (e.g. ``"g0.forward"``)."""
+        for graph in self.graphs:
+            if graph.name == name:
+                return graph
+        raise KeyError(f"no graph {name!r} in the plan; graphs: {[g.name for g in self.graphs]}")
+
+    def passes_for(self, graph: str) -> tuple[PassInfo, ...]:
+        """The pass records of one graph, in the order the passes ran."""
+        return tuple(p for p in self.passes if p.graph == graph)
+
+    def __str__(self) -> str:
+        from zeroc.runtime.plan_text import render_plan
+
+        return render_plan(self)
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    return value
+
+
+def _from_plain(hint: Any, value: Any) -> Any:
+    """Rebuild ``value`` as the type ``hint`` (dataclasses, tuples, scalars)."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        return hint(**{f.name: _from_plain(hints[f.name], value[f.name])
+                       for f in dataclasses.fields(hint)})
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_plain(args[0], v) for v in value)
+        return tuple(_from_plain(a, v) for a, v in zip(args, value, strict=True))
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if arg is type(None) and value is None:
+                return None
+        return _from_plain(next(a for a in typing.get_args(hint) if a is not type(None)), value)
+    return value

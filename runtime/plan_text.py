@@ -1,0 +1,120 @@
+"""``str(plan)``: the plan as tables a person can read (tabulate)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+if TYPE_CHECKING:
+    from zeroc.runtime.plan import Plan
+
+MAX_ROWS = 16
+
+
+def human_bytes(n: int) -> str:
+    """Bytes as B/KiB/MiB/GiB with one decimal."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(n: int) -> str:
+    """A count with a k/M/G suffix."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _section(title: str, rows: list[list[object]], headers: list[str], empty: str) -> str:
+    if not rows:
+        return f"{title}: {empty}"
+    shown = rows[:MAX_ROWS]
+    text = tabulate(shown, headers=headers, tablefmt="simple")
+    if len(rows) > MAX_ROWS:
+        text += f"\n... {len(rows) - MAX_ROWS} more"
+    return f"{title}:\n{text}"
+
+
+def render_plan(plan: Plan) -> str:
+    """Render every section of ``plan``."""
+    meta = plan.meta
+    options = ", ".join(f"{k}={v}" for k, v in meta.options)
+    mesh = " x ".join(f"{k}={v}" for k, v in meta.mesh) or "single device"
+    out = [
+        f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
+        f"{meta.torch_version}, triton {meta.triton_version})",
+        f"device {meta.device}, world {meta.world_size}, mesh {mesh}, zero {meta.zero}, "
+        f"schedule {meta.schedule}",
+        f"options: {options}",
+        "",
+    ]
+    out.append(_section(
+        "graphs",
+        [[g.name, g.kind, g.nodes, g.inputs, g.outputs, human_count(g.flops),
+          human_bytes(g.bytes), human_bytes(g.peak_bytes)] for g in plan.graphs],
+        ["graph", "kind", "nodes", "inputs", "outputs", "FLOPs", "bytes moved", "peak mem"],
+        "none",
+    ))
+    out.append("")
+    out.append(_section(
+        "stages",
+        [[s.index, ", ".join(s.modules) or "-", human_count(s.params), human_bytes(s.param_bytes),
+          human_count(s.flops), human_bytes(s.activation_bytes)] for s in plan.stages],
+        ["stage", "modules", "params", "param bytes", "FLOPs", "activations/mb"],
+        "none",
+    ))
+    out.append("")
+    total_numel = sum(p.numel for p in plan.params)
+    total_bytes = sum(p.bytes for p in plan.params)
+    out.append(_section(
+        f"parameters ({len(plan.params)} tensors, {human_count(total_numel)} elements, "
+        f"{human_bytes(total_bytes)})",
+        [[p.name, "x".join(map(str, p.shape)) or "scalar", p.dtype, human_count(p.numel),
+          human_bytes(p.bytes)] for p in plan.params],
+        ["parameter", "shape", "dtype", "numel", "bytes"],
+        "none",
+    ))
+    out.append("")
+    triton = sum(1 for k in plan.kernels if k.backend == "triton")
+    out.append(_section(
+        f"kernels ({len(plan.kernels)}: {triton} triton, {len(plan.kernels) - triton} aten)",
+        [[k.name, k.graph, k.backend, k.kind, _ops(k.ops), human_count(k.numel)]
+         for k in plan.kernels],
+        ["kernel", "graph", "runs as", "kind", "ops", "numel"],
+        "none",
+    ))
+    out.append("")
+    out.append(_section(
+        "collectives",
+        [[c.name, c.graph, c.op, c.group, len(c.params), human_bytes(c.bytes), c.issued_at,
+          c.waited_at] for c in plan.collectives],
+        ["collective", "graph", "op", "group", "params", "bytes", "issued at", "waited at"],
+        "none (single device)",
+    ))
+    out.append("")
+    out.append(_section(
+        "estimated memory per rank",
+        [[m.rank, human_bytes(m.params), human_bytes(m.grads), human_bytes(m.optimizer),
+          human_bytes(m.activations), human_bytes(m.peak)] for m in plan.memory],
+        ["rank", "params", "grads", "optimizer (Adam)", "activations", "peak"],
+        "none",
+    ))
+    out.append("")
+    out.append(_section(
+        "passes",
+        [[p.graph, p.pass_name, f"{p.nodes_before} -> {p.nodes_after}",
+          ", ".join(f"{k}={v}" for k, v in p.stats)] for p in plan.passes],
+        ["graph", "pass", "nodes", "stats"],
+        "none",
+    ))
+    return "\n".join(out)
+
+
+def _ops(ops: tuple[str, ...]) -> str:
+    text = " ".join(op.rsplit(".", 1)[0].replace("aten.", "") for op in ops)
+    return text if len(text) <= 48 else text[:45] + "..."
