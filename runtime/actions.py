@@ -184,6 +184,36 @@ def overlapped(f_stage: int, f_microbatch: int, b_stage: int, b_microbatch: int)
     return Action(ActionKind.FB, f_stage, f_microbatch, b_stage=b_stage, b_microbatch=b_microbatch)
 
 
+# A value that flows between actions: ("F", s, m) is stage s's forward output for micro-batch
+# m, ("G", s, m) the gradient of stage s's input (from its B or I), ("W", s, m) a finished W.
+DataKey = tuple[str, int, int]
+
+
+def data_output(part: Action) -> DataKey:
+    """What finishing the single-kind compute step ``part`` makes available."""
+    tags = {ActionKind.F: "F", ActionKind.B: "G", ActionKind.I: "G", ActionKind.W: "W"}
+    if part.kind not in tags:
+        raise ValueError(f"{part} is not a single-kind compute step (F, I, W or B)")
+    return (tags[part.kind], part.stage, part.microbatch)
+
+
+def data_inputs(part: Action, last_stage: int) -> list[DataKey]:
+    """What the single-kind compute step ``part`` needs before it can start.
+
+    ``F(s, m)`` needs ``F(s - 1, m)``; ``B``/``I`` of ``(s, m)`` need ``F(s, m)`` and the input
+    gradient from ``(s + 1, m)`` (from ``F(s, m)`` alone on the last stage); ``W`` needs its ``I``.
+    """
+    stage, mb = part.stage, part.microbatch
+    if part.kind is ActionKind.F:
+        return [("F", stage - 1, mb)] if stage > 0 else []
+    if part.kind is ActionKind.W:
+        return [("G", stage, mb)]
+    if part.kind not in (ActionKind.B, ActionKind.I):
+        raise ValueError(f"{part} is not a single-kind compute step (F, I, W or B)")
+    upstream = ("F", stage, mb) if stage == last_stage else ("G", stage + 1, mb)
+    return [("F", stage, mb), upstream]
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A pipeline schedule: per-rank action tuples plus where every stage lives.

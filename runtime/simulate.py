@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zeroc.runtime.actions import Action, ActionKind, Schedule
+from zeroc.runtime.actions import Action, ActionKind, DataKey, Schedule, data_inputs, data_output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,25 +106,6 @@ class Timeline:
         return self.rank_bubbles[rank] / self.makespan if self.makespan else 0.0
 
 
-_Key = tuple[str, int, int]
-
-
-def _produced(part: Action) -> _Key:
-    """What finishing ``part`` makes available: its forward output or its input gradient."""
-    tag = {ActionKind.F: "F", ActionKind.B: "G", ActionKind.I: "G", ActionKind.W: "W"}[part.kind]
-    return (tag, part.stage, part.microbatch)
-
-
-def _needs(part: Action, last_stage: int) -> list[_Key]:
-    stage, mb = part.stage, part.microbatch
-    if part.kind is ActionKind.F:
-        return [("F", stage - 1, mb)] if stage > 0 else []
-    if part.kind is ActionKind.W:
-        return [("G", stage, mb)]
-    upstream = ("F", stage, mb) if stage == last_stage else ("G", stage + 1, mb)
-    return [("F", stage, mb), upstream]
-
-
 def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Timeline:
     """Simulate ``schedule`` with ``costs`` (defaults: F=1, B=2, W=1).
 
@@ -136,10 +117,10 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Timeline:
     queues = [schedule.compute_actions(r) for r in range(schedule.num_ranks)]
     positions = [0] * schedule.num_ranks
     clocks = [0.0] * schedule.num_ranks
-    ready: dict[_Key, tuple[float, int]] = {}
+    ready: dict[DataKey, tuple[float, int]] = {}
     timed: list[list[TimedAction]] = [[] for _ in queues]
 
-    def input_time(key: _Key, rank: int) -> float | None:
+    def input_time(key: DataKey, rank: int) -> float | None:
         if key not in ready:
             return None
         when, where = ready[key]
@@ -153,13 +134,13 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Timeline:
                 action = queue[positions[rank]]
                 parts = action.parts()
                 start = clocks[rank]
-                inputs = [input_time(k, rank) for p in parts for k in _needs(p, last_stage)]
+                inputs = [input_time(k, rank) for p in parts for k in data_inputs(p, last_stage)]
                 if any(t is None for t in inputs):
                     break
                 start = max([start, *inputs])
                 end = start + costs.of(action)
                 for part in parts:
-                    ready[_produced(part)] = (end, rank)
+                    ready[data_output(part)] = (end, rank)
                 timed[rank].append(TimedAction(action, start, end))
                 clocks[rank] = end
                 positions[rank] += 1

@@ -1,0 +1,182 @@
+"""Insert point-to-point sends and receives into a compute-only pipeline schedule.
+
+``lower_communication(schedule)`` adds, after every compute step whose output another rank
+consumes, a ``SEND_F`` (forward output to the next stage's rank) or ``SEND_B`` (input gradient
+to the previous stage's rank), and the matching ``RECV_F``/``RECV_B`` to the consumer's list.
+Nothing is inserted when producer and consumer share a rank (DualPipeV's turn at the V).
+
+Placement is a lock-step replay: in rounds, every rank places its next compute action once
+the data it needs is on the rank; placing it appends its sends to its own list and the
+matching receives to the consumers' lists at that same moment. All p2p pairs therefore sit
+in one global order that every rank's list follows, which is why the result cannot deadlock
+when each maximal run of p2p actions (a group, see ``p2p_groups``) is posted as one batch of
+isend/irecv and waited on: by induction over that order, when the first unfinished pair is
+reached, everything before it on both ranks has finished, so both ranks post it. The same
+order makes the sends on each (source, destination) channel match the receives one for one,
+as torch.distributed's FIFO matching of same-tag messages requires. ``verify_p2p`` checks
+both properties on any lowered schedule by replaying it with rendezvous semantics.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from zeroc.runtime.actions import (
+    Action,
+    ActionKind,
+    DataKey,
+    Schedule,
+    data_inputs,
+    data_output,
+)
+
+
+def _consumer(part: Action, schedule: Schedule) -> tuple[int, int] | None:
+    """(consumer stage, its rank) of ``part``'s output, or ``None`` if nothing consumes it."""
+    if part.kind is ActionKind.F and part.stage < schedule.num_stages - 1:
+        stage = part.stage + 1
+    elif part.kind in (ActionKind.B, ActionKind.I) and part.stage > 0:
+        stage = part.stage - 1
+    else:
+        return None
+    return stage, schedule.rank_of(stage, part.microbatch)
+
+
+def _p2p_pair(part: Action, src: int, dst_stage: int, dst: int) -> tuple[Action, Action]:
+    if part.kind is ActionKind.F:
+        kinds = (ActionKind.SEND_F, ActionKind.RECV_F)
+    else:
+        kinds = (ActionKind.SEND_B, ActionKind.RECV_B)
+    send = Action(kinds[0], part.stage, part.microbatch, peer=dst)
+    recv = Action(kinds[1], dst_stage, part.microbatch, peer=src)
+    return send, recv
+
+
+def _needs(action: Action, last_stage: int) -> list[DataKey]:
+    """Inputs of ``action`` that are not produced by ``action`` itself."""
+    parts = action.parts() if action.is_compute else ()
+    made = {data_output(p) for p in parts}
+    return [k for p in parts for k in data_inputs(p, last_stage) if k not in made]
+
+
+def lower_communication(schedule: Schedule) -> Schedule:
+    """Return ``schedule`` with SEND_F/RECV_F/SEND_B/RECV_B actions inserted.
+
+    Collective actions already in the lists keep their place relative to the compute actions.
+    Raises ``ValueError`` if the schedule already has p2p actions or cannot make progress.
+    """
+    if any(a.is_p2p for rank_actions in schedule.actions for a in rank_actions):
+        raise ValueError(f"schedule {schedule.name} already has p2p actions")
+    last_stage = schedule.num_stages - 1
+    pending = [deque(rank_actions) for rank_actions in schedule.actions]
+    lowered: list[list[Action]] = [[] for _ in pending]
+    present: list[set[DataKey]] = [set() for _ in pending]
+    while any(pending):
+        progress = False
+        for rank, queue in enumerate(pending):
+            if not queue:
+                continue
+            action = queue[0]
+            if not all(key in present[rank] for key in _needs(action, last_stage)):
+                continue
+            queue.popleft()
+            lowered[rank].append(action)
+            progress = True
+            for part in action.parts() if action.is_compute else ():
+                present[rank].add(data_output(part))
+                consumer = _consumer(part, schedule)
+                if consumer is None or consumer[1] == rank:
+                    continue
+                send, recv = _p2p_pair(part, rank, *consumer)
+                lowered[rank].append(send)
+                lowered[consumer[1]].append(recv)
+                present[consumer[1]].add(data_output(part))
+        if not progress:
+            stuck = ", ".join(f"rank {r}: {q[0]}" for r, q in enumerate(pending) if q)
+            raise ValueError(f"schedule {schedule.name} cannot make progress at {stuck}")
+    return schedule.replace_actions(tuple(tuple(rank_actions) for rank_actions in lowered))
+
+
+def p2p_groups(rank_actions: tuple[Action, ...]) -> tuple[tuple[Action, ...], ...]:
+    """Split one rank's actions into groups: each maximal run of p2p actions is one group
+    (posted together, then waited on); every other action is a group of its own."""
+    groups: list[list[Action]] = []
+    for action in rank_actions:
+        if action.is_p2p and groups and groups[-1][0].is_p2p:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+    return tuple(tuple(g) for g in groups)
+
+
+def _channel_message(action: Action, rank: int) -> tuple[int, int, DataKey]:
+    """(source rank, destination rank, value moved) of a p2p action on ``rank``."""
+    if action.kind is ActionKind.SEND_F:
+        return rank, action.peer, ("F", action.stage, action.microbatch)
+    if action.kind is ActionKind.RECV_F:
+        return action.peer, rank, ("F", action.stage - 1, action.microbatch)
+    if action.kind is ActionKind.SEND_B:
+        return rank, action.peer, ("G", action.stage, action.microbatch)
+    return action.peer, rank, ("G", action.stage + 1, action.microbatch)
+
+
+def verify_p2p(schedule: Schedule) -> None:
+    """Replay a lowered schedule with blocking batched p2p and raise ``ValueError`` on error.
+
+    Semantics: a rank posts its current group; a send and a receive match when both are
+    posted and are the next message on their (source, destination) channel; a group finishes
+    when all its messages matched. A compute action may run only once its inputs are on the
+    rank. Errors: unmatched or mismatched sends and receives, a compute action missing an
+    input, or a deadlock.
+    """
+    last_stage = schedule.num_stages - 1
+    groups = [p2p_groups(rank_actions) for rank_actions in schedule.actions]
+    sends: dict[tuple[int, int], list[DataKey]] = {}
+    recvs: dict[tuple[int, int], list[DataKey]] = {}
+    for rank, rank_actions in enumerate(schedule.actions):
+        for action in rank_actions:
+            if action.is_p2p:
+                src, dst, value = _channel_message(action, rank)
+                side = sends if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else recvs
+                side.setdefault((src, dst), []).append(value)
+    for channel in sorted(set(sends) | set(recvs)):
+        if sends.get(channel, []) != recvs.get(channel, []):
+            raise ValueError(
+                f"rank {channel[0]} -> rank {channel[1]}: sends {sends.get(channel, [])} "
+                f"do not match receives {recvs.get(channel, [])} in order"
+            )
+    position = [0] * schedule.num_ranks
+    matched: set[tuple[int, int, DataKey]] = set()
+    present: list[set[DataKey]] = [set() for _ in groups]
+    while any(position[r] < len(groups[r]) for r in range(schedule.num_ranks)):
+        posted: dict[tuple[int, int, DataKey], set[int]] = {}
+        for rank, rank_groups in enumerate(groups):
+            if position[rank] < len(rank_groups) and rank_groups[position[rank]][0].is_p2p:
+                for action in rank_groups[position[rank]]:
+                    posted.setdefault(_channel_message(action, rank), set()).add(rank)
+        matched.update(message for message, ranks in posted.items() if len(ranks) == 2)
+        progress = False
+        for rank, rank_groups in enumerate(groups):
+            if position[rank] >= len(rank_groups):
+                continue
+            group = rank_groups[position[rank]]
+            if not group[0].is_p2p:
+                missing = [k for k in _needs(group[0], last_stage) if k not in present[rank]]
+                if missing:
+                    raise ValueError(f"rank {rank}: {group[0]} runs before receiving {missing}")
+                present[rank].update(data_output(p) for p in group[0].parts()
+                                     if group[0].is_compute)
+                position[rank] += 1
+                progress = True
+                continue
+            messages = [_channel_message(a, rank) for a in group]
+            if all(m in matched for m in messages):
+                for _src, dst, value in messages:
+                    if dst == rank:
+                        present[rank].add(value)
+                position[rank] += 1
+                progress = True
+        if not progress:
+            stuck = ", ".join(f"rank {r}: {groups[r][position[r]]}"
+                              for r in range(schedule.num_ranks) if position[r] < len(groups[r]))
+            raise ValueError(f"schedule {schedule.name} deadlocks with blocking p2p at {stuck}")
