@@ -109,22 +109,15 @@ def _zero_bubble_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     for rank in range(num_ranks):
         warmup = min(num_ranks - 1 - rank, num_microbatches)
         ops = [forward(rank, m) for m in range(warmup)]
-        pending_weights: deque[int] = deque()
-
-        def input_grad(mb: int, ops: list[Action] = ops, pending: deque[int] = pending_weights,
-                       rank: int = rank) -> None:
-            ops.append(backward_input(rank, mb))
-            pending.append(mb)
-            # Rank r delays its weight gradients by r steps: they fill the drain bubble.
-            if mb >= rank:
-                ops.append(backward_weight(rank, pending.popleft()))
-
-        for m in range(warmup, num_microbatches):
-            ops.append(forward(rank, m))
-            input_grad(m - warmup)
-        for m in range(num_microbatches - warmup, num_microbatches):
-            input_grad(m)
-        ops += [backward_weight(rank, m) for m in pending_weights]
+        for step in range(num_microbatches):
+            if step + warmup < num_microbatches:
+                ops.append(forward(rank, step + warmup))
+            ops.append(backward_input(rank, step))
+            # Rank r runs each W r steps after its I: the held-back Ws fill the drain bubble.
+            if step >= rank:
+                ops.append(backward_weight(rank, step - rank))
+        ops += [backward_weight(rank, m)
+                for m in range(max(num_microbatches - rank, 0), num_microbatches)]
         actions.append(ops)
     return _linear("zb1p", num_ranks, num_microbatches, actions)
 

@@ -177,6 +177,24 @@ def test_dualpipev_matches_torch_pipelining(ranks):
         assert [list(r) for r in ours.actions] == torch_dualpipev_order(ranks, mbs)
 
 
+@pytest.mark.parametrize("ranks", range(1, 9))
+def test_zb1p_matches_torch_zero_bubble_with_one_stage_per_rank(ranks):
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    for mbs in range(ranks, 3 * ranks + 1):
+        rounds = max(1, mbs // ranks)
+        if mbs % rounds:
+            continue  # torch's zero-bubble schedule needs N to be a multiple of its rounds
+        oracle = object.__new__(schedules.ScheduleInterleavedZeroBubble)
+        oracle.n_local_stages, oracle.pp_group_size, oracle._n_microbatches = 1, ranks, mbs
+        oracle.number_of_rounds, oracle.microbatches_per_round = rounds, mbs // rounds
+        ours = build_schedule("zb1p", ranks, mbs)
+        for rank in range(ranks):
+            theirs = [Action(ActionKind(a.computation_type.value), a.stage_index,
+                             a.microbatch_index)
+                      for a in oracle._calculate_single_rank_operations(rank) if a is not None]
+            assert list(ours.actions[rank]) == theirs
+
+
 def test_lowering_is_deadlock_free_and_matched():
     for schedule in all_valid_schedules():
         lowered = lower_communication(schedule)
