@@ -1,0 +1,154 @@
+"""The callable that replaces a fused group of aten nodes in a graph.
+
+A :class:`FusedKernel` holds the kernel IR, its generated Triton source and the group's
+original aten ops as a small GraphModule. Called with the group's input tensors it returns the
+group's outputs (one tensor, or a tuple), either by launching the Triton kernel or by running
+the aten ops, which are correct by construction. Outputs are always fresh contiguous tensors,
+whichever path runs, so the graph's fake metadata holds for both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.fx
+
+from zeroc.codegen import autotune
+from zeroc.codegen.compile_cache import load_kernel, source_hash
+from zeroc.codegen.kernel_ir import KernelIR
+
+KERNEL_BACKENDS = ("auto", "triton", "aten")
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs in interpreter mode (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def choose_backend(kernels: str, device: torch.device) -> str:
+    """The path a kernel takes for the ``kernels`` option on ``device``.
+
+    ``"auto"`` launches Triton on CUDA and runs aten elsewhere; ``"triton"`` always launches
+    Triton and needs CUDA or ``TRITON_INTERPRET=1``; ``"aten"`` always runs aten.
+    """
+    if kernels not in KERNEL_BACKENDS:
+        raise ValueError(f"option 'kernels' is {kernels!r}; allowed: "
+                         f"{', '.join(repr(k) for k in KERNEL_BACKENDS)}")
+    if kernels == "aten":
+        return "aten"
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" else "aten"
+    if device.type != "cuda" and not interpreter_enabled():
+        raise ValueError(f"option kernels='triton' needs a CUDA device, but the graph runs on "
+                         f"{device.type!r}: set TRITON_INTERPRET=1 in the environment to run "
+                         "Triton kernels on CPU (slow, for tests), or use kernels='auto'")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("option kernels='triton' needs the triton package, which cannot be "
+                         f"imported ({exc}); use kernels='auto' or 'aten'") from exc
+    return "triton"
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+class FusedKernel:
+    """A fused group: ``kernel(*inputs)`` returns its outputs (tuple when several).
+
+    ``backend`` is ``"triton"`` or ``"aten"`` (see :func:`choose_backend`). ``aten_graph``
+    computes the same outputs from the same inputs with the original aten ops; it also runs
+    for fake tensors (shape propagation) and for tensors on a device Triton cannot use.
+    """
+
+    def __init__(self, ir: KernelIR, source: str, aten_graph: torch.fx.GraphModule,
+                 backend: str, cache_dir: str | None) -> None:
+        self.ir = ir
+        self.source = source
+        self.source_hash = source_hash(source)
+        self.aten_graph = aten_graph
+        self.backend = backend
+        self.cache_dir = cache_dir
+        self.__name__ = ir.name
+        self.__qualname__ = ir.name
+        self._config: autotune.LaunchConfig | None = None
+
+    def __repr__(self) -> str:
+        return f"FusedKernel({self.ir.name}, {self.ir.kind}, backend={self.backend})"
+
+    def __deepcopy__(self, memo: dict) -> FusedKernel:
+        return self
+
+    def __call__(self, *inputs: torch.Tensor):
+        if self.backend == "triton" and self._can_launch(inputs):
+            outputs = self.launch(inputs)
+        else:
+            outputs = self.run_aten(inputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _can_launch(self, inputs: tuple[torch.Tensor, ...]) -> bool:
+        if any(_is_fake(t) for t in inputs):
+            return False
+        device = inputs[0].device
+        return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+
+    def run_aten(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The group's outputs computed by its original aten ops."""
+        result = self.aten_graph(*inputs)
+        outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        fresh = []
+        for out in outputs:
+            if any(out is t or (not _is_fake(out) and not _is_fake(t)
+                                and out.untyped_storage().data_ptr()
+                                == t.untyped_storage().data_ptr()) for t in inputs):
+                out = out.clone(memory_format=torch.contiguous_format)
+            fresh.append(out.contiguous())
+        return fresh
+
+    def launch(self, inputs: tuple[torch.Tensor, ...],
+               config: autotune.LaunchConfig | None = None) -> list[torch.Tensor]:
+        """Run the Triton kernel (autotuning the launch on first GPU call)."""
+        args = [t.contiguous() for t in inputs]
+        device = args[0].device
+        if config is None:
+            config = self._pick_config(args)
+        outputs = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+                   for spec in self.ir.outputs]
+        self._run(args, outputs, config)
+        return outputs
+
+    def _run(self, args: list[torch.Tensor], outputs: list[torch.Tensor],
+             config: autotune.LaunchConfig) -> None:
+        fn = load_kernel(self.source, self.ir.name, self.cache_dir)
+        size = self.ir.numel if self.ir.kind == "pointwise" else self.ir.rows
+        fn[autotune.grid(self.ir, config)](*args, *outputs, size, self.ir.cols,
+                                           num_warps=config.num_warps, **config.as_kwargs())
+
+    def _pick_config(self, args: list[torch.Tensor]) -> autotune.LaunchConfig:
+        if self._config is not None:
+            return self._config
+        if args[0].device.type != "cuda":
+            self._config = autotune.interpreter_config(self.ir)
+            return self._config
+        outputs = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype),
+                               device=args[0].device) for spec in self.ir.outputs]
+        self._config = autotune.autotune(
+            self.ir, self.source_hash, self.cache_dir,
+            lambda config: self._run(args, outputs, config))
+        return self._config
+
+    def launch_config(self, on_gpu: bool) -> autotune.LaunchConfig:
+        """The launch parameters to report: the persisted autotune winner when there is one,
+        else the default for the device kind."""
+        if self._config is not None:
+            return self._config
+        if on_gpu:
+            tuned = autotune.load_tuned(self.cache_dir, self.source_hash,
+                                        autotune.problem_key(self.ir))
+            if tuned is not None:
+                return tuned
+        return autotune.default_config(self.ir, on_gpu)
