@@ -1,0 +1,187 @@
+"""zeroc.parallelize in eager mode: ZeRO stages 0-3 on gloo ranks against single-process eager.
+
+One 2-rank job (module fixture) trains a tiny tied-embedding GPT at every stage, checks state
+dicts, meta-device init, bf16 and memory, and returns plain values the tests compare with a
+single-process reference. A 4-rank job covers padding over four shards and a pp=2 mesh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import run_ranks
+from torch import nn
+
+from zeroc.parallelize import parallelize
+from zeroc.state_dict import full_state_dict, load_full_state_dict
+
+VOCAB, SEQ, WIDTH, HIDDEN, BATCH, STEPS = 13, 5, 6, 5, 4, 3
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, a pre-norm MLP block, final norm, head tied to the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc_in = nn.Linear(WIDTH, HIDDEN)
+        self.fc_out = nn.Linear(HIDDEN, WIDTH)
+        self.norm_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok(tokens) + self.pos(positions)
+        h = h + self.fc_out(F.gelu(self.fc_in(self.norm(h))))
+        logits = self.head(self.norm_f(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def make_model(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(123)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return tokens, targets
+
+
+def train(model: nn.Module, tokens, targets, lr: float = 1e-2) -> tuple[list[float], object]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+def local_batch(rank: int, dp: int):
+    tokens, targets = global_batch()
+    rows = BATCH // dp
+    return tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
+
+
+def state_bytes(model: nn.Module, optimizer) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if v.dim() > 0)
+    return total
+
+
+def two_rank_checks(rank: int, world: int) -> dict:
+    """Everything the 2-rank tests assert on, computed in one job."""
+    out: dict = {}
+    tokens, targets = local_batch(rank, world)
+    for zero in (0, 1, 2, 3):
+        model = parallelize(make_model(), zero=zero)
+        losses, optimizer = train(model, tokens, targets)
+        out[f"zero{zero}"] = {"losses": losses, "full": full_state_dict(model)}
+        if zero == 3:
+            out["keys"] = list(model.state_dict().keys())
+            out["bytes"] = state_bytes(model, optimizer)
+            out["padded"] = sum(r.padded_numel for r in model._zeroc_layout.params)
+            trained = model
+    fresh = parallelize(make_model(seed=7), zero=3)
+    load_full_state_dict(fresh, out["zero3"]["full"] if rank == 0 else None)
+    out["roundtrip_shards_equal"] = all(
+        torch.equal(a, b) for a, b in zip(fresh.parameters(), trained.parameters(), strict=True)
+    )
+    everywhere = parallelize(make_model(seed=7), zero=1)
+    load_full_state_dict(everywhere, make_model(seed=3).state_dict())
+    out["everywhere_full"] = full_state_dict(everywhere)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    out["meta_full"] = full_state_dict(parallelize(meta_model, zero=3))
+    bf16 = parallelize(make_model(), zero=3, mixed_precision="bf16")
+    out["bf16_losses"], _ = train(bf16, tokens, targets, lr=1e-3)
+    out["bf16_full"] = full_state_dict(bf16)
+    try:
+        parallelize(make_model(), pp=3)
+    except ValueError as error:
+        out["pp3_error"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(two_rank_checks, 2, timeout=180)
+
+
+def reference(lr: float = 1e-2, autocast: bool = False) -> tuple[list[float], dict]:
+    model = make_model()
+    tokens, targets = global_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        losses, _ = train(model, tokens, targets, lr=lr)
+    return losses, model.state_dict()
+
+
+def assert_state_close(actual: dict, expected: dict, rtol: float, atol: float) -> None:
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=rtol, atol=atol, msg=key)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_two_ranks_match_single_process_eager(two_ranks, zero: int) -> None:
+    ref_losses, ref_state = reference()
+    rank_losses = torch.tensor([r[f"zero{zero}"]["losses"] for r in two_ranks])
+    torch.testing.assert_close(
+        rank_losses.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+    )
+    assert two_ranks[1][f"zero{zero}"]["full"] == {}
+    assert_state_close(two_ranks[0][f"zero{zero}"]["full"], ref_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_state_dict_keeps_original_names(two_ranks) -> None:
+    assert two_ranks[0]["keys"] == list(make_model().state_dict().keys())
+
+
+@pytest.mark.timeout(240)
+def test_full_state_dict_load_round_trip(two_ranks) -> None:
+    assert all(r["roundtrip_shards_equal"] for r in two_ranks)
+    assert_state_close(
+        two_ranks[0]["everywhere_full"], make_model(seed=3).state_dict(), rtol=0, atol=0
+    )
+
+
+@pytest.mark.timeout(240)
+def test_meta_init_equals_normal_init(two_ranks) -> None:
+    assert_state_close(two_ranks[0]["meta_full"], make_model().state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_bf16_within_bf16_tolerance_of_autocast(two_ranks) -> None:
+    ref_losses, ref_state = reference(lr=1e-3, autocast=True)
+    rank_losses = torch.tensor([r["bf16_losses"] for r in two_ranks])
+    torch.testing.assert_close(rank_losses.mean(0), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+    full = two_ranks[0]["bf16_full"]
+    assert all(v.dtype == torch.float32 for v in full.values())
+    assert_state_close(full, ref_state, rtol=2e-2, atol=4e-3)
+
+
+@pytest.mark.timeout(240)
+def test_zero3_state_bytes_are_a_dp_fraction(two_ranks) -> None:
+    model = make_model()
+    _, optimizer = train(model, *global_batch())
+    full_bytes = state_bytes(model, optimizer)
+    padding_bytes = (two_ranks[0]["padded"] - sum(p.numel() for p in model.parameters())) * 4
+    for result in two_ranks:
+        assert full_bytes / 2 <= result["bytes"] <= full_bytes / 2 + 3 * padding_bytes / 2
+
+
+@pytest.mark.timeout(240)
+def test_pp_must_divide_world(two_ranks) -> None:
+    assert "pp=3" in two_ranks[0]["pp3_error"] and "world size 2" in two_ranks[0]["pp3_error"]
