@@ -30,7 +30,7 @@ _TO_COPY_KWARGS = frozenset({"dtype", "layout", "device", "memory_format", "pin_
                              "non_blocking"})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Group:
     """Nodes (in graph order) that become one kernel, with their levels and external reads.
 
@@ -236,4 +236,76 @@ def find_groups(graph: torch.fx.Graph) -> list[Group]:
         upstream[node] = mask
         if joined is not None:
             group_of[node] = joined
+    groups = merge_groups(graph, groups)
     return [g for g in groups if g.reductions > 0 or g.pointwise >= 2]
+
+
+def _rebuild(nodes: list[torch.fx.Node], rows: int, cols: int, gid: int) -> Group | None:
+    """A group of ``nodes`` (graph order) re-fitted from scratch, or None if one won't fit."""
+    group = Group(gid, rows, cols)
+    for node in nodes:
+        if node.target is operator.getitem:
+            source = node.args[0]
+            group.add(node, (group.levels[source][node.args[1]],), ())
+            continue
+        placement = fit(node, group)
+        if placement is None:
+            return None
+        group.add(node, *placement)
+    return group
+
+
+def _creates_cycle(first: Group, second: Group, group_of: dict[torch.fx.Node, Group]) -> bool:
+    """Whether a path leaves ``first`` or ``second`` and re-enters either of them (other groups
+    count as single nodes, since each becomes one kernel)."""
+    members = set(first.nodes) | set(second.nodes)
+    frontier = [u for n in members for u in n.users if u not in members]
+    seen: set[torch.fx.Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        if node in members:
+            return True
+        seen.add(node)
+        group = group_of.get(node)
+        spread = group.nodes if group is not None else [node]
+        for member in spread:
+            seen.add(member)
+            frontier += [u for u in member.users if u not in seen]
+    return False
+
+
+def merge_groups(graph: torch.fx.Graph, groups: list[Group]) -> list[Group]:
+    """Merge groups of one iteration space when one feeds the other or both read the same
+    tensor, and the merged group still fits and creates no cycle."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    changed = True
+    while changed:
+        changed = False
+        group_of = {n: g for g in groups for n in g.nodes}
+        for group in groups:
+            neighbours: list[Group] = []
+            for reads in group.reads.values():
+                for arg, _ in reads:
+                    other = group_of.get(arg)
+                    if other is None:
+                        other_readers = [group_of[u] for u in arg.users if u in group_of]
+                        neighbours += [g for g in other_readers if g is not group]
+                    elif other is not group:
+                        neighbours.append(other)
+            for other in dict.fromkeys(neighbours):
+                if (other.rows, other.cols) != (group.rows, group.cols):
+                    continue
+                if _creates_cycle(group, other, group_of):
+                    continue
+                nodes = sorted(group.nodes + other.nodes, key=position.__getitem__)
+                merged = _rebuild(nodes, group.rows, group.cols, group.gid)
+                if merged is None:
+                    continue
+                groups = [merged if g is group else g for g in groups if g is not other]
+                changed = True
+                break
+            if changed:
+                break
+    return groups

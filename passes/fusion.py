@@ -115,7 +115,11 @@ def _next_pow2(n: int) -> int:
 
 
 def _replace(graph: torch.fx.Graph, group: Group, kernel: FusedKernel,
-             inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> None:
+             inputs: list[torch.fx.Node], outputs: list[torch.fx.Node],
+             replaced: dict[torch.fx.Node, torch.fx.Node]) -> None:
+    """Put the kernel's node in place of ``group``; ``replaced`` maps erased output nodes of
+    earlier groups to the nodes that now hold their values (updated here)."""
+    inputs = [replaced.get(n, n) for n in inputs]
     reference = inputs[0].meta["val"]
     fakes = [reference.new_empty(spec.shape, dtype=getattr(torch, spec.dtype))
              for spec in kernel.ir.outputs]
@@ -125,11 +129,13 @@ def _replace(graph: torch.fx.Graph, group: Group, kernel: FusedKernel,
         fused.meta["zeroc_kernel"] = kernel.ir.name
         if len(outputs) == 1:
             outputs[0].replace_all_uses_with(fused)
+            replaced[outputs[0]] = fused
         else:
             for i, out in enumerate(outputs):
                 item = graph.call_function(operator.getitem, (fused, i))
                 item.meta["val"] = fakes[i]
                 out.replace_all_uses_with(item)
+                replaced[out] = item
     for node in reversed(group.nodes):
         graph.erase_node(node)
 
@@ -168,11 +174,13 @@ def fusion(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     groups = find_groups(gm.graph)
     fused_ops = 0
     on_gpu = ctx.device.type == "cuda"
-    for group in groups:
-        kernel, inputs, outputs = build_kernel(gm, group, len(ctx.kernels), backend, cache_dir)
+    built = [build_kernel(gm, group, len(ctx.kernels) + i, backend, cache_dir)
+             for i, group in enumerate(groups)]
+    replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+    for group, (kernel, inputs, outputs) in zip(groups, built, strict=True):
         compute = [n for n in group.nodes if n.target is not operator.getitem]
         fused_ops += len(compute)
-        _replace(gm.graph, group, kernel, inputs, outputs)
+        _replace(gm.graph, group, kernel, inputs, outputs, replaced)
         ir = kernel.ir
         ctx.kernels.append(KernelInfo(
             name=ir.name, graph=ctx.graph_name, backend=backend, kind=ir.kind,
