@@ -21,9 +21,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from zeroc.config import Config
-from zeroc.passes.base import PassContext, graph_text, run_passes
+from zeroc.passes.base import PassContext, PassRecord, graph_text, run_passes
 from zeroc.passes.decompositions import decomposition_table
-from zeroc.passes.pipeline import SINGLE_DEVICE_PASSES
+from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
 from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
 from zeroc.runtime.executor import GraphExecutor
 from zeroc.runtime.records import ParamInfo, PassInfo
@@ -39,7 +39,8 @@ def source_name(placeholder: torch.fx.Node) -> str:
     text = source.name() if callable(source.name) else str(source.name)
     parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", text)
     if parts:
-        return ".".join(parts)
+        # A parametrized parameter (zeroc.parallelize) reads as its original name.
+        return re.sub(r"\.parametrizations\.([^.]+)\.original$", r".\1", ".".join(parts))
     match = re.fullmatch(r"L\['([^']+)'\]", text)
     return match.group(1) if match else text
 
@@ -79,11 +80,16 @@ def compile_dynamo_graph(
                            dynamo_code=graph_text(gm))
     device = _graph_device(example_inputs)
     record.device = str(device)
+    input_names = _input_names(gm)
     session.add(record)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        record.joint = graph_info(joint, f"{prefix}.joint", "joint", graph_text(joint))
+        name = f"{prefix}.joint"
+        ctx = PassContext(config=config, graph_name=name, kind="joint", device=device)
+        joint, pass_records = run_passes(joint, ctx, JOINT_PASSES, record=config.record_graphs)
+        record.passes.extend(_pass_infos(pass_records))
+        record.joint = graph_info(joint, name, "joint", graph_text(joint))
         record.num_fwd_outputs = num_fwd_outputs
         if config.partitioner == "min_cut":
             return min_cut_rematerialization_partition(
@@ -94,18 +100,14 @@ def compile_dynamo_graph(
     def make_compiler(kind: str) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
         def compile_graph(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
             name = f"{prefix}.{kind}"
-            ctx = PassContext(config=config, graph_name=name, kind=kind, device=device)
-            graph, pass_records = run_passes(graph, ctx, SINGLE_DEVICE_PASSES,
+            ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
+                              extras={"input_names": input_names})
+            graph, pass_records = run_passes(graph, ctx, GRAPH_PASSES,
                                              record=config.record_graphs)
             record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
             record.kernels.extend(ctx.kernels)
-            record.passes.extend(
-                PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
-                         nodes_before=r.nodes_before, nodes_after=r.nodes_after,
-                         before=r.before, after=r.after,
-                         stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
-                for r in pass_records
-            )
+            record.collectives.extend(ctx.collectives)
+            record.passes.extend(_pass_infos(pass_records))
             record.transient_bytes = max(record.transient_bytes,
                                          peak_bytes(graph, include_inputs=False))
             if kind == "forward":
@@ -122,6 +124,21 @@ def compile_dynamo_graph(
         decompositions=decomposition_table(),
     )
     return backend(gm, example_inputs)
+
+
+def _input_names(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """AOTAutograd names the i-th flat input ``primals_{i}``: map those to readable names."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {f"primals_{i + 1}": source_name(n) for i, n in enumerate(placeholders)}
+
+
+def _pass_infos(records: list[PassRecord]) -> list[PassInfo]:
+    return [
+        PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
+                 nodes_before=r.nodes_before, nodes_after=r.nodes_after, before=r.before,
+                 after=r.after, stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
+        for r in records
+    ]
 
 
 def _saved_bytes(forward: torch.fx.GraphModule, num_fwd_outputs: int) -> int:

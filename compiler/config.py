@@ -33,6 +33,10 @@ class Config:
         only) and persist the winner; on by default under mode="max-autotune".
     record_graphs: keep each pass's graph text before and after, for ``zeroc.explain``.
     cache_dir: where generated kernel sources and autotune results are stored.
+    bucket_mb: ZeRO collectives pack parameters (gathers) or gradients (reductions) into
+        buckets of at most this many MiB; one collective per bucket.
+    prefetch: how many gather buckets ahead of their use a ZeRO-3 gather is issued (0: right
+        before use, no overlap).
     """
 
     mode: str = "default"
@@ -42,6 +46,8 @@ class Config:
     kernel_autotune: bool = False
     record_graphs: bool = True
     cache_dir: str = "~/.cache/zeroc"
+    bucket_mb: float = 25.0
+    prefetch: int = 1
 
     @staticmethod
     def build(mode: str | None = None, options: Mapping[str, Any] | None = None) -> Config:
@@ -93,4 +99,12 @@ def _check(key: str, value: Any) -> Any:
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise OptionError(f"zeroc: option cache_dir={value!r} must be a non-empty path")
         return str(value)
+    if key == "bucket_mb":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise OptionError(f"zeroc: option bucket_mb={value!r} must be a number > 0 (MiB)")
+        return float(value)
+    if key == "prefetch":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise OptionError(f"zeroc: option prefetch={value!r} must be an integer >= 0")
+        return value
     raise AssertionError(f"option {key} has no check")

@@ -105,7 +105,7 @@ def build_plan(session: CompileSession) -> Plan:
         stages=(stage,),
         params=params,
         kernels=tuple(k for r in session.records for k in r.kernels),
-        collectives=(),
+        collectives=tuple(c for r in session.records for c in r.collectives),
         memory=(memory,),
         passes=tuple(p for r in session.records for p in r.passes),
     )

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from zeroc.config import Config
-from zeroc.runtime.records import GraphInfo, KernelInfo, ParamInfo, PassInfo
+from zeroc.runtime.records import CollectiveInfo, GraphInfo, KernelInfo, ParamInfo, PassInfo
 
 SESSION_ATTR = "_zeroc_session"
 
@@ -32,6 +32,7 @@ class CompiledGraph:
     transient_bytes: int = 0
     graphs: list[GraphInfo] = dataclasses.field(default_factory=list)
     kernels: list[KernelInfo] = dataclasses.field(default_factory=list)
+    collectives: list[CollectiveInfo] = dataclasses.field(default_factory=list)
     passes: list[PassInfo] = dataclasses.field(default_factory=list)
 
 

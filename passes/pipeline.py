@@ -9,9 +9,17 @@ from __future__ import annotations
 from zeroc.passes.dead_code import eliminate_dead_code
 from zeroc.passes.fusion import fusion
 from zeroc.passes.noop_views import remove_noop_views
+from zeroc.passes.zero import lower_zero
+from zeroc.passes.zero_recompute import tag_zero_recompute
 
-# Per functional graph (forward, backward or inference) on one device.
-SINGLE_DEVICE_PASSES = (
+# On the joint forward+backward graph, before it is partitioned.
+JOINT_PASSES = (
+    tag_zero_recompute,
+)
+
+# On each functional graph (forward, backward or inference) after partitioning.
+GRAPH_PASSES = (
+    lower_zero,
     remove_noop_views,
     eliminate_dead_code,
     fusion,

@@ -4,8 +4,10 @@ FLOPs of matmuls, convolutions and attention come from ``torch.utils.flop_counte
 registry (the same numbers ``FlopCounterMode`` reports). Every other op that produces a tensor
 is counted as one FLOP per output element for pointwise work, or one per input element for
 reductions. Bytes are the bytes read (tensor inputs) plus written (tensor outputs); views and
-other aliasing ops move no bytes. Peak memory is a liveness walk over the graph: inputs stay
-live for the whole graph, every other value is freed after its last use.
+other aliasing ops move no bytes; a collective counts the bytes it sends over the network
+(``zeroc.runtime.collectives.collective_bytes``) and no FLOPs. Peak memory is a liveness
+walk over the graph: inputs stay live for the whole graph, every other value is freed after
+its last use.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP, collective_bytes
 from zeroc.runtime.records import GraphInfo, NodeCost
 
 aten = torch.ops.aten
@@ -71,6 +74,11 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     in_tensors = _tensors((args, kwargs))
     read = sum(t.numel() * t.element_size() for t in in_tensors)
     written = tensor_bytes(out)
+    collective = ISSUE_OPS.get(node.target)
+    if collective is not None:
+        return NodeCost(name, target, 0, collective_bytes(collective, read, written))
+    if node.target is WAIT_OP:
+        return NodeCost(name, target, 0, 0)
     flops = 0
     formula = flop_registry.get(packet)
     if formula is not None:

@@ -1,0 +1,248 @@
+"""ZeRO lowering: ``zeroc.unshard`` / ``zeroc.reduce_grad`` markers -> bucketed collectives.
+
+Runs on the forward and backward graphs after partitioning. Markers of one data-parallel
+group, ZeRO stage and dtype are packed in order of use into buckets of at most
+``config.bucket_mb`` MiB:
+
+- unshard buckets: the shards are concatenated, gathered with one ``all_gather_into_tensor``
+  and cut back into parameters. The gather is issued where bucket ``k - prefetch`` is first
+  needed (``config.prefetch``) and waited right before bucket ``k`` is first needed, so the
+  transfer overlaps the compute in between; every gathered tensor dies after its last use.
+- reduce_grad buckets: the padded gradients are laid out rank-major, then one
+  ``reduce_scatter_tensor`` (stages 2, 3) or ``all_reduce`` + ``zeroc.local_rows`` (stage 1)
+  or ``all_reduce`` (stage 0) is issued as soon as the bucket's last gradient exists, and
+  waited at the end of the graph. The sum is divided by the group size (mean over ranks).
+
+Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wait points).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+import zeroc.runtime.collectives  # noqa: F401  (registers zeroc::local_rows)
+import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard / reduce_grad)
+from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.collectives import collective_bytes, functional
+from zeroc.runtime.records import CollectiveInfo
+from zeroc.runtime.zero_ops import group_size
+
+aten = torch.ops.aten
+UNSHARD = torch.ops.zeroc.unshard.default
+REDUCE_GRAD = torch.ops.zeroc.reduce_grad.default
+
+
+@dataclasses.dataclass
+class _Bucket:
+    key: tuple[str, int, torch.dtype]
+    nodes: list[torch.fx.Node]
+    nbytes: int
+
+
+def _buckets(nodes: Sequence[torch.fx.Node], key: Callable[[torch.fx.Node], Any],
+             size: Callable[[torch.fx.Node], int], cap: int,
+             joinable: Callable[[_Bucket, torch.fx.Node], bool] = lambda b, n: True,
+             ) -> list[_Bucket]:
+    """Pack ``nodes`` in order into buckets of one key and at most ``cap`` bytes each.
+
+    ``joinable(bucket, node)`` may refuse a node that cannot share the open bucket.
+    """
+    open_buckets: dict[Any, _Bucket] = {}
+    done: list[_Bucket] = []
+    for node in nodes:
+        k = key(node)
+        bucket = open_buckets.get(k)
+        if bucket is not None and (bucket.nbytes + size(node) > cap
+                                   or not joinable(bucket, node)):
+            done.append(bucket)
+            bucket = None
+        if bucket is None:
+            bucket = open_buckets[k] = _Bucket(k, [], 0)
+        bucket.nodes.append(node)
+        bucket.nbytes += size(node)
+    done.extend(open_buckets.values())
+    return sorted(done, key=lambda b: _order(b.nodes[0]))
+
+
+def _order(node: torch.fx.Node) -> int:
+    return node.meta["_zeroc_order"]
+
+
+class _Builder:
+    """Adds nodes to a graph and gives each its fake value, so later passes see metadata."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.graph = gm.graph
+        values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+    def call(self, target: Any, *args: Any) -> torch.fx.Node:
+        node = self.graph.call_function(target, args)
+        vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*vals)
+        return node
+
+
+def _param_name(node: torch.fx.Node, names: dict[str, str]) -> str:
+    source = node.args[0]
+    while isinstance(source, torch.fx.Node) and source.op != "placeholder" and source.args:
+        source = source.args[0]
+    name = source.name if isinstance(source, torch.fx.Node) else str(source)
+    return names.get(name, name)
+
+
+def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
+                    prefetch: int) -> int:
+    # Stage 0 keeps whole parameters: its unshard only reshapes, nothing to gather.
+    marks = [n for n in gm.graph.nodes
+             if n.target is UNSHARD and n.args[4] > 0 and group_size(n.args[3]) > 1]
+    if not marks:
+        return 0
+    nodes = list(gm.graph.nodes)
+
+    def first_use(node: torch.fx.Node) -> torch.fx.Node:
+        return min(node.users, key=_order) if node.users else node
+
+    for mark in marks:
+        mark.meta["_zeroc_first_use"] = _order(first_use(mark))
+    buckets = _buckets(
+        sorted(marks, key=lambda n: n.meta["_zeroc_first_use"]),
+        key=lambda n: (n.args[3], n.args[4], n.args[0].meta["val"].dtype),
+        size=lambda n: n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size()
+        * group_size(n.args[3]),
+        cap=cap,
+    )
+    buckets.sort(key=lambda b: min(n.meta["_zeroc_first_use"] for n in b.nodes))
+    build = _Builder(gm)
+    names = ctx.extras.get("input_names", {})
+    for index, bucket in enumerate(buckets):
+        group_name, _stage, _dtype = bucket.key
+        dp = group_size(group_name)
+        need = nodes[min(n.meta["_zeroc_first_use"] for n in bucket.nodes)]
+        early = buckets[max(0, index - prefetch)]
+        issue_at = nodes[min(n.meta["_zeroc_first_use"] for n in early.nodes)]
+        shards = [n.args[0] for n in bucket.nodes]
+        # The issue point must follow the definitions of the shards it reads.
+        latest_input = max((_order(s) for s in shards), default=-1)
+        if _order(issue_at) <= latest_input:
+            issue_at = nodes[latest_input + 1]
+        with gm.graph.inserting_before(issue_at):
+            flat = shards[0] if len(shards) == 1 else build.call(aten.cat.default, shards)
+            issued = build.call(functional.all_gather_into_tensor.default, flat, dp, group_name)
+        with gm.graph.inserting_before(need):
+            gathered = build.call(functional.wait_tensor.default, issued)
+            total = sum(s.meta["val"].numel() for s in shards)
+            rows = build.call(aten.view.default, gathered, [dp, total])
+            offset = 0
+            for mark, shard in zip(bucket.nodes, shards, strict=True):
+                width = shard.meta["val"].numel()
+                part = rows if len(shards) == 1 else build.call(
+                    aten.slice.Tensor, rows, 1, offset, offset + width)
+                offset += width
+                flat_param = build.call(aten.reshape.default, part, [dp * width])
+                numel, shape = mark.args[2], list(mark.args[1])
+                if numel != dp * width:
+                    flat_param = build.call(aten.slice.Tensor, flat_param, 0, 0, numel)
+                param = build.call(aten.view.default, flat_param, shape)
+                mark.replace_all_uses_with(param)
+                gm.graph.erase_node(mark)
+        ctx.collectives.append(CollectiveInfo(
+            name=f"{ctx.graph_name}.gather{index}", graph=ctx.graph_name, op="all_gather",
+            group=group_name, params=tuple(_param_name(n, names) for n in bucket.nodes),
+            bytes=collective_bytes("all_gather", 0, bucket.nbytes),
+            issued_at=issue_at.name, waited_at=need.name))
+    return len(buckets)
+
+
+def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) -> int:
+    marks = [n for n in gm.graph.nodes if n.target is REDUCE_GRAD and group_size(n.args[2]) > 1]
+    if not marks:
+        return 0
+    def first_user(node: torch.fx.Node) -> int:
+        return min(_order(u) for u in node.users)
+
+    # A bucket is reduced after its last gradient and waited before its first reader (the
+    # output, or e.g. the sum of a tied parameter's two gradients): no member may be
+    # produced after another member is read.
+    buckets = _buckets(
+        marks,
+        key=lambda n: (n.args[2], n.args[3], n.args[0].meta["val"].dtype),
+        size=lambda n: n.args[1] * n.args[0].meta["val"].element_size(),
+        cap=cap,
+        joinable=lambda b, n: _order(n) < min(first_user(m) for m in b.nodes),
+    )
+    nodes = list(gm.graph.nodes)
+    build = _Builder(gm)
+    names = ctx.extras.get("input_names", {})
+    for index, bucket in enumerate(buckets):
+        group_name, stage, _dtype = bucket.key
+        dp = group_size(group_name)
+        # Issued as soon as the bucket's last gradient exists.
+        last = max(bucket.nodes, key=_order)
+        if stage == 0:  # replicated: all-reduce the concatenated flat gradients
+            widths = [n.args[0].meta["val"].numel() for n in bucket.nodes]
+        else:  # sharded: rank-major rows, row r = every parameter's shard r
+            widths = [n.args[1] // dp for n in bucket.nodes]
+        with gm.graph.inserting_before(last.next):
+            pieces = []
+            for mark, width in zip(bucket.nodes, widths, strict=True):
+                flat = build.call(aten.reshape.default, mark.args[0], [-1])
+                if stage > 0:
+                    pad = mark.args[1] - mark.args[0].meta["val"].numel()
+                    if pad:
+                        flat = build.call(aten.constant_pad_nd.default, flat, [0, pad], 0.0)
+                    flat = build.call(aten.view.default, flat, [dp, width])
+                pieces.append(flat)
+            packed = pieces[0] if len(pieces) == 1 else build.call(
+                aten.cat.default, pieces, 0 if stage == 0 else 1)
+            packed = build.call(aten.reshape.default, packed, [-1])
+            if stage >= 2:
+                op = "reduce_scatter"
+                issued = build.call(functional.reduce_scatter_tensor.default, packed, "sum", dp,
+                                    group_name)
+            else:
+                op = "all_reduce"
+                issued = build.call(functional.all_reduce.default, packed, "sum", group_name)
+        reader = nodes[min(first_user(m) for m in bucket.nodes)]
+        with gm.graph.inserting_before(reader):
+            reduced = build.call(functional.wait_tensor.default, issued)
+            mean = build.call(aten.div.Tensor, reduced, dp)
+            if stage == 1:
+                mean = build.call(torch.ops.zeroc.local_rows.default, mean, dp, group_name)
+            offset = 0
+            for mark, width in zip(bucket.nodes, widths, strict=True):
+                part = mean if len(widths) == 1 else build.call(
+                    aten.slice.Tensor, mean, 0, offset, offset + width)
+                offset += width
+                mark.replace_all_uses_with(part)
+                gm.graph.erase_node(mark)
+        in_bytes = packed.meta["val"].numel() * packed.meta["val"].element_size()
+        ctx.collectives.append(CollectiveInfo(
+            name=f"{ctx.graph_name}.reduce{index}", graph=ctx.graph_name, op=op,
+            group=group_name, params=tuple(_param_name(n, names) for n in bucket.nodes),
+            bytes=collective_bytes(op, in_bytes, 0),
+            issued_at=last.name, waited_at=reader.name))
+    return len(buckets)
+
+
+def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Replace ZeRO markers with bucketed, prefetched functional collectives."""
+    for order, node in enumerate(gm.graph.nodes):
+        node.meta["_zeroc_order"] = order
+    cap = max(1, int(ctx.config.bucket_mb * 2**20))
+    gathers = _lower_unshards(gm, ctx, cap, ctx.config.prefetch)
+    for order, node in enumerate(gm.graph.nodes):
+        node.meta["_zeroc_order"] = order
+    reduces = _lower_reduce_grads(gm, ctx, cap)
+    for node in gm.graph.nodes:
+        node.meta.pop("_zeroc_order", None)
+        node.meta.pop("_zeroc_first_use", None)
+    return PassResult(gm, bool(gathers or reduces),
+                      {"gather_buckets": gathers, "reduce_buckets": reduces})

@@ -1,0 +1,99 @@
+"""The Plan: printed tables, exact JSON round trip, pass provenance, explain's errors."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.testing import FileCheck
+
+import zeroc
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(F.gelu(self.norm(self.fc1(x)))), y)
+
+
+def _compiled_plan() -> tuple[torch.nn.Module, zeroc.Plan]:
+    torch.manual_seed(0)
+    model = TwoLayer()
+    compiled = torch.compile(model, backend="zeroc")
+    loss = compiled(torch.randn(4, 16), torch.randint(0, 8, (4,)))
+    loss.backward()
+    return compiled, zeroc.explain(compiled)
+
+
+def test_plan_text_has_every_section() -> None:
+    _, plan = _compiled_plan()
+    text = str(plan)
+    (FileCheck()
+     .check("zeroc plan").check("torch").check("options:")
+     .check("graphs:").check("g0.joint").check("g0.forward").check("g0.backward")
+     .check("stages:").check("fc1, norm, fc2")
+     .check("parameters (6 tensors").check("fc1.weight").check("16x32")
+     .check("kernels (").check("collectives: none")
+     .check("estimated memory per rank").check("passes:").check("fusion")
+     .run(text))
+
+
+def test_json_round_trip_is_exact() -> None:
+    _, plan = _compiled_plan()
+    again = zeroc.Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.digest() == plan.digest()
+    assert str(again) == str(plan)
+    assert isinstance(again.graphs[0].node_costs, tuple)
+
+
+def test_each_pass_graph_before_and_after_is_reachable() -> None:
+    _, plan = _compiled_plan()
+    records = plan.passes_for("g0.forward")
+    names = [r.pass_name for r in records]
+    assert names == ["remove_noop_views", "eliminate_dead_code", "fusion"]
+    for record in records:
+        assert "def forward" in record.before and "def forward" in record.after
+    assert records[0].before != "" and plan.graph("g0.forward").code == records[-1].after
+
+
+def test_parameters_and_memory_estimate() -> None:
+    _, plan = _compiled_plan()
+    numel = 16 * 32 + 32 + 32 + 32 + 32 * 8 + 8
+    assert sum(p.numel for p in plan.params) == numel
+    memory = plan.memory[0]
+    assert memory.params == numel * 4 and memory.optimizer == 2 * numel * 4
+    assert memory.peak >= memory.params + memory.grads + memory.optimizer + memory.activations
+
+
+def test_explain_rejects_what_zeroc_did_not_compile() -> None:
+    model = TwoLayer()
+    for thing, pattern in [
+        (model, "was not compiled by zeroc"),
+        (torch.compile(model, backend="aot_eager"), "not compiled by zeroc|backend='aot_eager'"),
+        (torch.compile(model, backend="zeroc"), "call the compiled model once"),
+    ]:
+        try:
+            zeroc.explain(thing)
+        except ValueError as error:
+            import re
+
+            assert re.search(pattern, str(error)), str(error)
+        else:
+            raise AssertionError(f"explain({type(thing).__name__}) did not raise")
+
+
+def test_graph_breaks_and_recompiles_each_appear() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.sin(x) + 1
+        torch._dynamo.graph_break()
+        return torch.cos(y) * 2
+
+    compiled = torch.compile(fn, backend="zeroc")
+    compiled(torch.randn(3))
+    plan = zeroc.explain(compiled)
+    assert {g.name for g in plan.graphs} >= {"g0.inference", "g1.inference"}
