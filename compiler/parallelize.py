@@ -122,11 +122,24 @@ def _validate(model: nn.Module, zero: int, mixed_precision: str | None) -> None:
         raise ValueError(
             f"mixed_precision={mixed_precision!r} is not allowed: use None or 'bf16'"
         )
-    for name, module in model.named_modules():
+    for path, module in model.named_modules():
         if parametrize.is_parametrized(module):
             raise ValueError(
-                f"model: module {name or '<root>'!r} already has parametrizations; "
+                f"model: module {path or '<root>'!r} already has parametrizations; "
                 "zeroc.parallelize needs plain parameters"
+            )
+        meta = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
+        if meta and not callable(getattr(module, "reset_parameters", None)):
+            raise ValueError(
+                f"parameter {_join(path, meta[0])!r} is on the meta device and its module "
+                f"({type(module).__name__}) has no reset_parameters() to initialize it: give "
+                "the module a reset_parameters() or build the model on a real device"
+            )
+    for path, buffer in model.named_buffers():
+        if buffer.is_meta:
+            raise ValueError(
+                f"buffer {path!r} is on the meta device: zeroc.parallelize materializes "
+                "parameters only; create buffers on a real device"
             )
 
 
@@ -137,20 +150,13 @@ def _materialize_device() -> torch.device:
 
 
 def _materialize_direct(
-    module: nn.Module, path: str, device: torch.device, done: set[int]
+    module: nn.Module, device: torch.device, done: set[int]
 ) -> dict[str, torch.Tensor]:
     """Full tensors for ``module``'s direct meta parameters, filled by ``reset_parameters``."""
     params = {n: p for n, p in module._parameters.items() if p is not None}
     if not any(p.is_meta for p in params.values()):
         return {}
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset):
-        meta = next(n for n, p in params.items() if p.is_meta)
-        raise ValueError(
-            f"parameter {_join(path, meta)!r} is on the meta device and its module "
-            f"({type(module).__name__}) has no reset_parameters() to initialize it: give the "
-            "module a reset_parameters() or build the model on a real device"
-        )
+    reset = module.reset_parameters  # presence checked by _validate
     scratch = {
         n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
         for n, p in params.items()
@@ -244,7 +250,7 @@ def parallelize(
     renamed_by_module: list[tuple[nn.Module, tuple[str, ...]]] = []
     wrapped = zero > 0 or compute_dtype is not None
     for path, module in list(model.named_modules()):
-        fresh = _materialize_direct(module, path, device, set(entries))
+        fresh = _materialize_direct(module, device, set(entries))
         renamed: list[str] = []
         for local, param in list(module._parameters.items()):
             if param is None:
@@ -276,12 +282,6 @@ def parallelize(
             renamed.append(local)
         if renamed:
             renamed_by_module.append((module, tuple(renamed)))
-    for path, buffer in model.named_buffers():
-        if buffer.is_meta:
-            raise ValueError(
-                f"buffer {path!r} is on the meta device: zeroc.parallelize materializes "
-                "parameters only; create buffers on a real device"
-            )
     for module, renamed in renamed_by_module:
         _state_dict_hooks(module, renamed)
     if compute_dtype is not None:

@@ -185,3 +185,121 @@ def test_zero3_state_bytes_are_a_dp_fraction(two_ranks) -> None:
 @pytest.mark.timeout(240)
 def test_pp_must_divide_world(two_ranks) -> None:
     assert "pp=3" in two_ranks[0]["pp3_error"] and "world size 2" in two_ranks[0]["pp3_error"]
+
+
+class _Plain(nn.Module):
+    """A parameter directly on a module without reset_parameters (meta init must refuse it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+class _WithMetaBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("mask", torch.ones(2))
+
+
+def _parametrized() -> nn.Module:
+    model = nn.Linear(2, 2)
+    torch.nn.utils.parametrize.register_parametrization(model, "weight", nn.Identity())
+    return model
+
+
+def _meta(factory):
+    with torch.device("meta"):
+        return factory()
+
+
+@pytest.mark.parametrize(
+    "build, kwargs, message",
+    [
+        (lambda: parallelize(make_model()), {}, "already parallelized"),
+        (make_model, {"zero": 4}, r"zero=4 is not allowed: zero must be one of 0, 1, 2, 3"),
+        (make_model, {"zero": True}, r"zero=True is not allowed"),
+        (make_model, {"pp": 0}, r"pp=0 is not allowed: pp must be an integer >= 1"),
+        (make_model, {"pp": 2}, r"pp=2 is not allowed: pp must divide the world size 1"),
+        (make_model, {"mixed_precision": "fp16"}, r"mixed_precision='fp16' is not allowed"),
+        (lambda: [1, 2], {}, r"model=list is not allowed"),
+        (_parametrized, {}, r"module '<root>' already has parametrizations"),
+        (lambda: _meta(_Plain), {}, r"parameter 'scale' is on the meta device"),
+        (lambda: _meta(_WithMetaBuffer), {}, r"buffer 'mask' is on the meta device"),
+    ],
+)
+def test_invalid_arguments_raise_value_errors(build, kwargs, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parallelize(build(), **kwargs)
+
+
+def test_layout_and_parameter_names_single_rank() -> None:
+    model = parallelize(make_model(), zero=3)
+    layout = model._zeroc_layout
+    assert (layout.zero, layout.pp, layout.dp, layout.world) == (3, 1, 1, 1)
+    names = [name for name, _ in model.named_parameters()]
+    assert names[0] == "tok.parametrizations.weight.original"
+    assert len(names) == len(list(make_model().parameters()))
+    tok = layout.by_name()["head.weight"]
+    assert (tok.name, tok.tied_names, tok.shape) == ("tok.weight", ("head.weight",), (13, 6))
+    assert model.tok.parametrizations.weight.original is model.head.parametrizations.weight.original
+    plain = parallelize(make_model(), zero=0)
+    assert [n for n, _ in plain.named_parameters()] == [
+        n for n, _ in make_model().named_parameters()
+    ]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_single_rank_without_process_group_matches_eager(zero: int) -> None:
+    ref_losses, ref_state = reference()
+    model = parallelize(make_model(), zero=zero)
+    losses, _ = train(model, *global_batch())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert_state_close(full_state_dict(model), ref_state, rtol=1e-5, atol=1e-6)
+    model.load_state_dict(model.state_dict())
+    restored = parallelize(make_model(seed=5), zero=zero)
+    load_full_state_dict(restored, full_state_dict(model))
+    assert_state_close(full_state_dict(restored), ref_state, rtol=1e-5, atol=1e-6)
+
+
+def four_rank_checks(rank: int, world: int) -> dict:
+    """ZeRO-3 over 4 ranks (padding in every shard) and ZeRO-2 on a pp=2 x dp=2 mesh."""
+    from zeroc.runtime.mesh import build_mesh
+
+    out: dict = {}
+    model = parallelize(make_model(), zero=3)
+    out["zero3_losses"], _ = train(model, *local_batch(rank, 4))
+    out["zero3_full"] = full_state_dict(model)
+    mesh = build_mesh(2)
+    out["mesh"] = (mesh.pp_index, mesh.dp_index, mesh.dp_group_ranks, mesh.pp_group_ranks)
+    mixed = parallelize(make_model(), zero=2, pp=2)
+    out["pp2_losses"], _ = train(mixed, *local_batch(mesh.dp_index, 2))
+    out["pp2_full"] = full_state_dict(mixed)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_zero3_and_pp2_mesh() -> None:
+    results = run_ranks(four_rank_checks, 4, timeout=200)
+    ref_losses, ref_state = reference()
+    assert [r["mesh"] for r in results] == [
+        (0, 0, (0, 1), (0, 2)),
+        (0, 1, (0, 1), (1, 3)),
+        (1, 0, (2, 3), (0, 2)),
+        (1, 1, (2, 3), (1, 3)),
+    ]
+    zero3 = torch.tensor([r["zero3_losses"] for r in results]).mean(0)
+    torch.testing.assert_close(zero3, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert_state_close(results[0]["zero3_full"], ref_state, rtol=1e-5, atol=1e-6)
+    for pp_index in (0, 1):
+        pair = torch.tensor([r["pp2_losses"] for r in results[2 * pp_index : 2 * pp_index + 2]])
+        torch.testing.assert_close(pair.mean(0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert_state_close(results[0]["pp2_full"], ref_state, rtol=1e-5, atol=1e-6)
+
+
+def test_rejected_model_is_left_untouched() -> None:
+    model = _meta(_WithMetaBuffer)
+    with pytest.raises(ValueError):
+        parallelize(model)
+    assert not torch.nn.utils.parametrize.is_parametrized(model.fc)
+    assert not hasattr(model, "_zeroc_layout")

@@ -1,0 +1,161 @@
+"""The zeroc::unshard / zeroc::reduce_grad custom ops: arithmetic, collectives, tracing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zeroc.runtime.zero_ops import (
+    padded_numel_for,
+    reduce_grad,
+    shard_numel_for,
+    shard_of,
+    unshard,
+)
+
+UNSHARD = torch.ops.zeroc.unshard.default
+REDUCE_GRAD = torch.ops.zeroc.reduce_grad.default
+
+
+def test_shard_arithmetic() -> None:
+    assert [padded_numel_for(n, 4) for n in (1, 4, 5, 8)] == [4, 4, 8, 8]
+    assert shard_numel_for(5, 2) == 3
+    full = torch.arange(10.0).view(2, 5)
+    shards = [shard_of(full, 4, i) for i in range(4)]
+    assert all(s.shape == (3,) for s in shards)
+    assert torch.equal(torch.cat(shards), torch.cat([torch.arange(10.0), torch.zeros(2)]))
+
+
+def test_ops_without_a_group_only_reshape() -> None:
+    shard = torch.arange(6.0, requires_grad=True)
+    weight = unshard(shard, (2, 3), 6, "", 3)
+    assert torch.equal(weight, torch.arange(6.0).view(2, 3))
+    assert weight.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
+    (weight * torch.arange(6.0).view(2, 3)).sum().backward()
+    assert torch.equal(shard.grad, torch.arange(6.0))
+    grad = torch.ones(2, 3)
+    reduced = reduce_grad(grad, 6, "", 2)
+    assert reduced.shape == (6,) and reduced.data_ptr() != grad.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: unshard(torch.zeros(4), (4,), 4, "", 4), "zero_stage=4"),
+        (lambda: unshard(torch.zeros(2, 2), (4,), 4, "", 3), "must be 1-D"),
+        (lambda: unshard(torch.zeros(3), (4,), 4, "", 3), "cannot hold numel=4"),
+        (lambda: reduce_grad(torch.zeros(5), 4, "", 3), "padded_numel=4"),
+    ],
+)
+def test_op_errors(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_fake_tensor_shapes() -> None:
+    graph = make_fx(lambda s: unshard(s, (3, 2), 5, "", 3) * 2, tracing_mode="fake")(
+        torch.zeros(6)
+    )
+    assert [n.target for n in graph.graph.nodes if n.op == "call_function"][0] is UNSHARD
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(6.0).view(2, 3) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight).tanh().sum()
+
+
+def _compiled_graphs(model: torch.nn.Module, x: torch.Tensor):
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def keep(kind: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    loss = torch.compile(model, backend=backend)(x)
+    loss.backward()
+    return loss, graphs
+
+
+def _targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_dynamo_and_aot_autograd_trace_the_ops() -> None:
+    from zeroc.parallelize import parallelize
+
+    x = torch.ones(4, 2)
+    eager = _Scaled()
+    eager(x).backward()
+    model = parallelize(_Scaled(), zero=3)
+    loss, graphs = _compiled_graphs(model, x)
+    print(graphs["forward"].code)
+    print(graphs["backward"].code)
+    assert UNSHARD in _targets(graphs["forward"])
+    assert REDUCE_GRAD not in _targets(graphs["forward"])
+    assert REDUCE_GRAD in _targets(graphs["backward"])
+    shard = model.parametrizations.weight.original
+    torch.testing.assert_close(loss, eager(x))
+    torch.testing.assert_close(shard.grad, eager.weight.grad.flatten())
+
+
+def ops_on_ranks(rank: int, world: int) -> dict:
+    """Each stage's ops on known inputs, plus a compiled ZeRO-3 step, on this rank."""
+    from zeroc.parallelize import parallelize
+    from zeroc.runtime.mesh import build_mesh
+
+    group = build_mesh(1).dp_group_name
+    out: dict = {"group": group}
+    full = torch.arange(9.0).view(3, 3)
+    for stage in (0, 1, 2, 3):
+        shard = full.flatten().clone() if stage == 0 else shard_of(full, world, rank)
+        shard.requires_grad_(True)
+        gathered = unshard(shard, (3, 3), 9, group, stage)
+        # Rank r's gradient is (r + 1) * ones: the average over ranks is (world + 1) / 2.
+        gathered.backward(torch.full((3, 3), float(rank + 1)))
+        out[stage] = {"gathered": gathered.detach(), "grad": shard.grad}
+    out["bf16"] = unshard(shard_of(full, world, rank).bfloat16(), (3, 3), 9, group, 3)
+    x = torch.full((4, 2), float(rank + 1))
+    model = parallelize(_Scaled(), zero=3)
+    loss, graphs = _compiled_graphs(model, x)
+    out["compiled"] = {
+        "loss": loss.detach(),
+        "grad": model.parametrizations.weight.original.grad,
+        "forward": _targets(graphs["forward"]).count(UNSHARD),
+        "backward": _targets(graphs["backward"]).count(REDUCE_GRAD),
+    }
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_ops_communicate_on_two_ranks() -> None:
+    world = 2
+    results = run_ranks(ops_on_ranks, world, timeout=150)
+    full = torch.arange(9.0).view(3, 3)
+    mean_grad = torch.full((9,), (world + 1) / 2)
+    assert results[0]["group"] != ""
+    for rank, result in enumerate(results):
+        for stage in (0, 1, 2, 3):
+            assert torch.equal(result[stage]["gathered"], full)
+            # Stage 0 keeps the whole gradient; sharded stages a zero-padded slice of it.
+            expected = mean_grad if stage == 0 else shard_of(mean_grad, world, rank)
+            torch.testing.assert_close(result[stage]["grad"], expected)
+        assert result["bf16"].dtype == torch.bfloat16
+        assert torch.equal(result["bf16"], full.bfloat16())
+        assert result["compiled"]["forward"] == 1 and result["compiled"]["backward"] == 1
+    eager = _Scaled()
+    for rank in range(world):
+        eager(torch.full((4, 2), float(rank + 1))).backward()
+    expected_grad = shard_of(eager.weight.grad / world, world, 0)
+    torch.testing.assert_close(results[0]["compiled"]["grad"], expected_grad)
