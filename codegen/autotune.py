@@ -67,7 +67,8 @@ def interpreter_config(ir: KernelIR) -> LaunchConfig:
     if ir.kind == "pointwise":
         return LaunchConfig((("BLOCK", min(next_power_of_2(ir.numel),
                                            INTERPRETER_TILE)),))
-    block_c = next_power_of_2(ir.cols) if ir.persistent else 1024
+    block_c = (next_power_of_2(ir.cols) if ir.persistent
+               else min(1024, max(2, next_power_of_2(ir.cols) // 4)))
     block_r = min(next_power_of_2(ir.rows), max(1, INTERPRETER_TILE // block_c))
     return LaunchConfig((("BLOCK_R", block_r), ("BLOCK_C", block_c)))
 
