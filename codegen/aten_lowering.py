@@ -27,7 +27,6 @@ from zeroc.codegen.kernel_ir import (
 )
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 
 class IRBuilder:
@@ -216,7 +215,6 @@ POINTWISE_RULES: dict[object, Rule] = {
     aten.maximum.default: _binary("maximum"), aten.minimum.default: _binary("minimum"),
     aten.pow.Tensor_Scalar: lambda b, x, e: _pow(b, x, e),
     aten.where.self: lambda b, c, x, y: b.op("where", c, x, y),
-    prims.fma.default: lambda b, x, y, z: b.op("add", b.op("mul", x, y), z),
     aten.neg.default: _unary("neg"), aten.exp.default: _unary("exp"),
     aten.log.default: _unary("log"), aten.sqrt.default: _unary("sqrt"),
     aten.rsqrt.default: _unary("rsqrt"), aten.reciprocal.default: _unary("reciprocal"),
@@ -235,12 +233,17 @@ POINTWISE_RULES: dict[object, Rule] = {
     aten.threshold_backward.default: lambda b, g, x, t: b.op(
         "where", b.op("le", x, t), 0.0, g),
     aten._to_copy.default: _cast,
-    prims.convert_element_type.default: lambda b, x, dtype: _cast(b, x, dtype),
+    torch.ops.prims.convert_element_type.default: lambda b, x, dtype: _cast(b, x, dtype),
 }
 for _name, _fn in (("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"), ("gt", "gt"),
                    ("ge", "ge")):
     POINTWISE_RULES[getattr(aten, _name).Tensor] = _binary(_fn)
     POINTWISE_RULES[getattr(aten, _name).Scalar] = _binary(_fn)
+
+# Ops registered lazily (by Inductor's decompositions), matched by name.
+NAMED_POINTWISE_RULES: dict[str, Rule] = {
+    "prims.fma.default": lambda b, x, y, z: b.op("add", b.op("mul", x, y), z),
+}
 
 REDUCTION_RULES: dict[object, Rule] = {
     aten.sum.dim_IntList: lambda b, x, dims, keepdim=False, dtype=None: b.reduce("sum", x),
@@ -266,7 +269,7 @@ BROADCAST_OPS = frozenset({aten.expand.default})
 
 def op_kind(target: object) -> str | None:
     """What the fusion pass may do with a node of this target (None: keep it in aten)."""
-    if target in POINTWISE_RULES:
+    if target in POINTWISE_RULES or str(target) in NAMED_POINTWISE_RULES:
         return "pointwise"
     if target in REDUCTION_RULES:
         return "reduction"
@@ -286,5 +289,6 @@ def lower(builder: IRBuilder, target: object, args: tuple, kwargs: dict) -> obje
         return args[0]
     if kind == "broadcast":
         return builder.op("broadcast", args[0])
-    rule = POINTWISE_RULES.get(target) or REDUCTION_RULES[target]
+    rule = (POINTWISE_RULES.get(target) or NAMED_POINTWISE_RULES.get(str(target))
+            or REDUCTION_RULES[target])
     return rule(builder, *args, **kwargs)
