@@ -163,13 +163,12 @@ def fit(node: torch.fx.Node, group: Group):
         if output_level(first, group.rows, group.cols) != levels[0]:
             return None
         shape, level = tuple(outs[0].shape), levels[0]
-        first_access = levels[0]
     else:
         shape, level = tuple(outs[0].shape), levels[0]
     reads: list[tuple[torch.fx.Node, str]] = []
     for i, arg in enumerate(node.all_input_nodes):
         if kind in ("view", "identity") and i == 0:
-            how = first_access
+            how = levels[0]
         else:
             how = access(tuple(arg.meta["val"].shape), shape, level)
         if how is None:
