@@ -14,6 +14,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 from zeroc.parallelize import parallelize
+from zeroc.runtime.zero_ops import unshard
 from zeroc.state_dict import full_state_dict, load_full_state_dict
 
 VOCAB, SEQ, WIDTH, HIDDEN, BATCH, STEPS = 13, 5, 6, 5, 4, 3
@@ -53,11 +54,15 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, targets
 
 
-def train(model: nn.Module, tokens, targets, lr: float = 1e-2) -> tuple[list[float], object]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+def train(
+    model: nn.Module, tokens, targets, autocast: bool = False
+) -> tuple[list[float], object]:
+    """STEPS AdamW steps; ``autocast`` runs each forward (only) under CPU bf16 autocast."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for _ in range(STEPS):
-        loss = model(tokens, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(tokens, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -76,6 +81,17 @@ def state_bytes(model: nn.Module, optimizer) -> int:
     for state in optimizer.state.values():
         total += sum(v.numel() * v.element_size() for v in state.values() if v.dim() > 0)
     return total
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient, gathered from the shards' gradients."""
+    layout = model._zeroc_layout
+    return {
+        r.name: unshard(
+            model.get_parameter(r.param_name).grad, r.shape, r.numel, layout.dp_group_name, 3
+        )
+        for r in layout.params
+    }
 
 
 def two_rank_checks(rank: int, world: int) -> dict:
@@ -104,7 +120,10 @@ def two_rank_checks(rank: int, world: int) -> dict:
         meta_model = TinyGPT()
     out["meta_full"] = full_state_dict(parallelize(meta_model, zero=3))
     bf16 = parallelize(make_model(), zero=3, mixed_precision="bf16")
-    out["bf16_losses"], _ = train(bf16, tokens, targets, lr=1e-3)
+    bf16(tokens, targets).backward()
+    out["bf16_grads"] = full_grads(bf16)
+    bf16 = parallelize(make_model(), zero=3, mixed_precision="bf16")
+    out["bf16_losses"], _ = train(bf16, tokens, targets)
     out["bf16_full"] = full_state_dict(bf16)
     try:
         parallelize(make_model(), pp=3)
@@ -118,11 +137,9 @@ def two_ranks() -> list[dict]:
     return run_ranks(two_rank_checks, 2, timeout=180)
 
 
-def reference(lr: float = 1e-2, autocast: bool = False) -> tuple[list[float], dict]:
+def reference(autocast: bool = False) -> tuple[list[float], dict]:
     model = make_model()
-    tokens, targets = global_batch()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        losses, _ = train(model, tokens, targets, lr=lr)
+    losses, _ = train(model, *global_batch(), autocast=autocast)
     return losses, model.state_dict()
 
 
@@ -164,12 +181,23 @@ def test_meta_init_equals_normal_init(two_ranks) -> None:
 
 @pytest.mark.timeout(240)
 def test_bf16_within_bf16_tolerance_of_autocast(two_ranks) -> None:
-    ref_losses, ref_state = reference(lr=1e-3, autocast=True)
+    model = make_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(*global_batch())
+    loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            two_ranks[0]["bf16_grads"][name].float(), param.grad, rtol=2e-2, atol=1e-2, msg=name
+        )
+    ref_losses, ref_state = reference(autocast=True)
     rank_losses = torch.tensor([r["bf16_losses"] for r in two_ranks])
-    torch.testing.assert_close(rank_losses.mean(0), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(rank_losses.mean(0), torch.tensor(ref_losses), rtol=5e-3, atol=0)
     full = two_ranks[0]["bf16_full"]
     assert all(v.dtype == torch.float32 for v in full.values())
-    assert_state_close(full, ref_state, rtol=2e-2, atol=4e-3)
+    # Adam's first steps move a weight by about +-lr whatever its gradient's size, so a tiny
+    # gradient whose sign differs between bf16 paths costs up to 2 * lr per step: compare
+    # trained weights (order 1) to within STEPS * lr.
+    assert_state_close(full, ref_state, rtol=0, atol=STEPS * 1e-2)
 
 
 @pytest.mark.timeout(240)
