@@ -17,6 +17,7 @@ import torch.fx
 from zeroc.codegen import autotune
 from zeroc.codegen.compile_cache import load_kernel, source_hash
 from zeroc.codegen.kernel_ir import KernelIR
+from zeroc.runtime.errors import OptionError
 
 KERNEL_BACKENDS = ("auto", "triton", "aten")
 
@@ -33,20 +34,20 @@ def choose_backend(kernels: str, device: torch.device) -> str:
     Triton and needs CUDA or ``TRITON_INTERPRET=1``; ``"aten"`` always runs aten.
     """
     if kernels not in KERNEL_BACKENDS:
-        raise ValueError(f"option 'kernels' is {kernels!r}; allowed: "
+        raise OptionError(f"option 'kernels' is {kernels!r}; allowed: "
                          f"{', '.join(repr(k) for k in KERNEL_BACKENDS)}")
     if kernels == "aten":
         return "aten"
     if kernels == "auto":
         return "triton" if device.type == "cuda" else "aten"
     if device.type != "cuda" and not interpreter_enabled():
-        raise ValueError(f"option kernels='triton' needs a CUDA device, but the graph runs on "
+        raise OptionError(f"option kernels='triton' needs a CUDA device, but the graph runs on "
                          f"{device.type!r}: set TRITON_INTERPRET=1 in the environment to run "
                          "Triton kernels on CPU (slow, for tests), or use kernels='auto'")
     try:
         import triton  # noqa: F401
     except ImportError as exc:
-        raise ValueError("option kernels='triton' needs the triton package, which cannot be "
+        raise OptionError("option kernels='triton' needs the triton package, which cannot be "
                          f"imported ({exc}); use kernels='auto' or 'aten'") from exc
     return "triton"
 

@@ -30,7 +30,7 @@ def zeroc_backend(
     """
     try:
         config = Config.build(mode, options)
+        session = session_for(find_compile_wrapper(), config)
+        return compile_dynamo_graph(gm, example_inputs, config, session)
     except OptionError as error:
         raise passthrough(error) from None
-    session = session_for(find_compile_wrapper(), config)
-    return compile_dynamo_graph(gm, example_inputs, config, session)

@@ -24,6 +24,7 @@ from zeroc.config import Config
 from zeroc.passes.base import PassContext, PassRecord, graph_text, run_passes
 from zeroc.passes.decompositions import decomposition_table
 from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
+from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
 from zeroc.runtime.executor import GraphExecutor
 from zeroc.runtime.records import ParamInfo, PassInfo
@@ -100,11 +101,18 @@ def compile_dynamo_graph(
     def make_compiler(kind: str) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
         def compile_graph(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
             name = f"{prefix}.{kind}"
+            zero, zero_group = _zero_markers(graph)
+            if zero_group:
+                record.zero, record.zero_group = max(record.zero, zero), zero_group
             ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
-                              extras={"input_names": input_names})
+                              extras={"input_names": input_names, "zero_group": zero_group})
             graph, pass_records = run_passes(graph, ctx, GRAPH_PASSES,
                                              record=config.record_graphs)
-            record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
+            text = graph_text(graph)
+            group_name = ctx.extras.get("zero_group", "")
+            if group_name:
+                check_same_graph(name, text, group_name)
+            record.graphs.append(graph_info(graph, name, kind, text))
             record.kernels.extend(ctx.kernels)
             record.collectives.extend(ctx.collectives)
             record.passes.extend(_pass_infos(pass_records))
@@ -124,6 +132,19 @@ def compile_dynamo_graph(
         decompositions=decomposition_table(),
     )
     return backend(gm, example_inputs)
+
+
+def _zero_markers(graph: torch.fx.GraphModule) -> tuple[int, str]:
+    """The ZeRO stage and data-parallel group of a graph's markers; ``(-1, "")`` if none."""
+    found = []
+    for node in graph.graph.nodes:
+        if node.target is torch.ops.zeroc.unshard.default:
+            found.append((node.args[4], node.args[3]))
+        elif node.target is torch.ops.zeroc.reduce_grad.default:
+            found.append((node.args[3], node.args[2]))
+    if not found:
+        return -1, ""
+    return max(stage for stage, _ in found), found[0][1]
 
 
 def _input_names(gm: torch.fx.GraphModule) -> dict[str, str]:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from zeroc.errors import OptionError
+from zeroc.runtime.errors import OptionError
 
 MODES = ("default", "max-autotune")
 KERNEL_BACKENDS = ("auto", "triton", "aten")

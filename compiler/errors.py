@@ -8,14 +8,14 @@ raised while ``torch.compile`` compiles on the first call.
 
 from __future__ import annotations
 
+from zeroc.runtime.errors import OptionError
+
 try:
     from torch._dynamo.exc import ShortenTraceback
 except ImportError:  # an older torch without it: errors arrive wrapped, text intact
     ShortenTraceback = None  # type: ignore[assignment,misc]
 
-
-class OptionError(ValueError):
-    """A bad ``torch.compile`` option or mode: names the key, the value and what is allowed."""
+__all__ = ["OptionError", "passthrough"]
 
 
 _PASSTHROUGH: dict[type, type] = {}

@@ -6,7 +6,9 @@ import hashlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan import PLAN_FORMAT, Plan, PlanMeta
 from zeroc.runtime.records import MemoryEstimate, ParamInfo, StageInfo
 from zeroc.session import SESSION_ATTR, CompileSession, wrapper_of
@@ -65,6 +67,20 @@ def _unique_params(session: CompileSession) -> tuple[ParamInfo, ...]:
     return tuple(seen.values())
 
 
+def _world_mesh_zero(session: CompileSession) -> tuple[int, tuple[tuple[str, int], ...], int]:
+    """World size, (pp, dp) mesh and ZeRO stage, read from the compiled graphs' markers.
+
+    ZeRO stage -1 means the model was not parallelized (no ``zeroc.unshard`` markers).
+    """
+    zero = max((r.zero for r in session.records), default=-1)
+    if zero < 0 or not dist.is_initialized():
+        return 1, (), zero
+    world = dist.get_world_size()
+    group = resolve_group(session.records[0].zero_group)
+    dp = 1 if group is None else dist.get_world_size(group)
+    return world, (("pp", world // dp), ("dp", dp)), zero
+
+
 def build_plan(session: CompileSession) -> Plan:
     """Freeze a session's records into a Plan (single device: one stage, rank 0)."""
     zeroc_version, torch_version, triton_version = _versions()
@@ -86,15 +102,16 @@ def build_plan(session: CompileSession) -> Plan:
         "\n".join(g.code for g in graphs if g.kind != "joint").encode()).hexdigest()[:16]
     config = session.config
     devices = {str(r.device) for r in session.records}
+    world, mesh, zero = _world_mesh_zero(session)
     meta = PlanMeta(
         format=PLAN_FORMAT,
         zeroc_version=zeroc_version,
         torch_version=torch_version,
         triton_version=triton_version,
         device=",".join(sorted(devices)) or "cpu",
-        world_size=1,
-        mesh=(),
-        zero=0,
+        world_size=world,
+        mesh=mesh,
+        zero=zero,
         schedule="none",
         options=tuple((k, str(v)) for k, v in config.to_dict().items()),
         graph_hash=graph_hash,

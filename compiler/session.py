@@ -26,6 +26,8 @@ class CompiledGraph:
     params: tuple[ParamInfo, ...]
     dynamo_code: str
     device: str = "cpu"
+    zero: int = -1  # ZeRO stage of the graph's parameters; -1: not parallelized
+    zero_group: str = ""
     joint: GraphInfo | None = None
     num_fwd_outputs: int = 0
     saved_bytes: int = 0

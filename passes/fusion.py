@@ -167,9 +167,12 @@ def fusion(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
 
     Reads ``ctx.config.kernels`` (``"auto"``, ``"triton"`` or ``"aten"``) and
     ``ctx.config.cache_dir`` (where generated sources and autotune results go), and
-    ``ctx.device``. Raises ValueError when ``kernels="triton"`` cannot run on that device.
+    ``ctx.device``. Raises OptionError (a ValueError) when ``kernels="triton"`` cannot run on that
+    device. With ``ctx.config.fusion`` off the graph is left as it is.
     """
     backend = choose_backend(getattr(ctx.config, "kernels", "auto"), ctx.device)
+    if not getattr(ctx.config, "fusion", True):
+        return PassResult(gm, False, {"kernels": 0, "fused_ops": 0})
     cache_dir = getattr(ctx.config, "cache_dir", None)
     groups = find_groups(gm.graph)
     fused_ops = 0

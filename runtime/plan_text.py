@@ -48,7 +48,8 @@ def render_plan(plan: Plan) -> str:
     out = [
         f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
         f"{meta.torch_version}, triton {meta.triton_version})",
-        f"device {meta.device}, world {meta.world_size}, mesh {mesh}, zero {meta.zero}, "
+        f"device {meta.device}, world {meta.world_size}, mesh {mesh}, "
+        f"zero {meta.zero if meta.zero >= 0 else 'off'}, "
         f"schedule {meta.schedule}",
         f"options: {options}",
         "",

@@ -36,7 +36,7 @@ def test_plan_text_has_every_section() -> None:
      .check("zeroc plan").check("torch").check("options:")
      .check("graphs:").check("g0.joint").check("g0.forward").check("g0.backward")
      .check("stages:").check("fc1, norm, fc2")
-     .check("parameters (6 tensors").check("fc1.weight").check("16x32")
+     .check("parameters (6 tensors").check("fc1.weight").check("32x16")
      .check("kernels (").check("collectives: none")
      .check("estimated memory per rank").check("passes:").check("fusion")
      .run(text))
@@ -55,7 +55,7 @@ def test_each_pass_graph_before_and_after_is_reachable() -> None:
     _, plan = _compiled_plan()
     records = plan.passes_for("g0.forward")
     names = [r.pass_name for r in records]
-    assert names == ["remove_noop_views", "eliminate_dead_code", "fusion"]
+    assert names == ["lower_zero", "remove_noop_views", "eliminate_dead_code", "fusion"]
     for record in records:
         assert "def forward" in record.before and "def forward" in record.after
     assert records[0].before != "" and plan.graph("g0.forward").code == records[-1].after
