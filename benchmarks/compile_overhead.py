@@ -1,0 +1,253 @@
+"""Compile time and steady training-step time of the zoo GPT: zeroc vs aot_eager vs Inductor.
+
+For each backend, in one process: ``torch._dynamo.reset()``, a fresh model from the same seed,
+then the first training step (forward + backward, the one that compiles) is timed as the
+compile time, and the median of ``--steps`` full steps (forward, backward, AdamW step,
+zero_grad) after ``--warmup`` steps as the steady step time. Eager PyTorch is the baseline.
+
+Every backend first compiles a tiny unrelated function so that one-time imports are not
+charged to whichever backend runs first; the Inductor and zeroc caches point at a fresh
+temporary directory so every compile is cold. A backend that fails is reported as n/a.
+
+    python benchmarks/compile_overhead.py --steps 20 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+CACHE_ROOT = tempfile.mkdtemp(prefix="zeroc-bench-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE_ROOT, "inductor"))
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from models.gpt import GPT, GPTConfig  # noqa: E402
+
+BACKENDS = ("zeroc", "aot_eager", "inductor")
+
+
+@dataclass
+class Measurement:
+    """One backend's numbers; times in seconds, ``None`` where the backend failed."""
+
+    backend: str
+    first_step_s: float | None = None
+    step_median_s: float | None = None
+    step_min_s: float | None = None
+    final_loss: float | None = None
+    error: str | None = None
+
+
+def compile_options(backend: str) -> dict[str, Any] | None:
+    """Options that keep a backend's on-disk cache out of the measurement."""
+    if backend == "zeroc":
+        return {"cache_dir": os.path.join(CACHE_ROOT, "zeroc")}
+    return None
+
+
+def warm_up_backend(backend: str) -> None:
+    """Compile and run a tiny function once so the backend's imports are paid before timing."""
+    torch._dynamo.reset()
+    weight = torch.ones(4, requires_grad=True)
+    toy = torch.compile(
+        lambda x: (x * weight).sin().sum(), backend=backend, options=compile_options(backend)
+    )
+    toy(torch.ones(4)).backward()
+    torch._dynamo.reset()
+
+
+def measure(
+    backend: str | None, config: GPTConfig, batch: int, steps: int, warmup: int
+) -> Measurement:
+    """Time one backend (``None``: eager) on the GPT; never raises for a failing backend."""
+    name = backend or "eager"
+    result = Measurement(name)
+    try:
+        if backend is not None:
+            warm_up_backend(backend)
+        torch._dynamo.reset()
+        model = GPT(config, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        run = (
+            model
+            if backend is None
+            else torch.compile(model, backend=backend, options=compile_options(backend))
+        )
+        inputs, targets = model.example_batch(batch_size=batch, seed=0)
+
+        start = time.perf_counter()
+        run(inputs, targets).backward()
+        result.first_step_s = time.perf_counter() - start
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        times = []
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            loss = run(inputs, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        result.step_median_s = statistics.median(times)
+        result.step_min_s = min(times)
+        result.final_loss = float(loss.detach())
+    except Exception as error:  # a failing backend is reported, the others still run
+        result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        print(f"[{name}] failed:\n{traceback.format_exc()}", file=sys.stderr)
+    finally:
+        torch._dynamo.reset()
+    return result
+
+
+def ratio(numerator: float | None, denominator: float | None) -> str:
+    """``numerator / denominator`` formatted, or n/a."""
+    if numerator is None or denominator is None or denominator == 0:
+        return "n/a"
+    return f"{numerator / denominator:.2f}x"
+
+
+def fmt(seconds: float | None, unit: float, digits: int) -> str:
+    """Seconds scaled by ``unit`` (1 or 1000) with ``digits`` decimals, or n/a."""
+    return "n/a" if seconds is None else f"{seconds * unit:.{digits}f}"
+
+
+def report(results: dict[str, Measurement], subject: str) -> str:
+    """The absolute table and the ratio table as text."""
+    rows = [
+        [
+            m.backend,
+            fmt(m.first_step_s, 1, 2),
+            fmt(m.step_median_s, 1000, 1),
+            fmt(m.step_min_s, 1000, 1),
+            "n/a" if m.final_loss is None else f"{m.final_loss:.5f}",
+            m.error or "",
+        ]
+        for m in results.values()
+    ]
+    absolute = tabulate(
+        rows,
+        headers=[
+            "backend",
+            "first step (s)",
+            "step median (ms)",
+            "step min (ms)",
+            "final loss",
+            "error",
+        ],
+    )
+    ours = results.get(subject)
+    ratio_rows = []
+    for other in ("aot_eager", "inductor", "eager"):
+        if other in results and other != subject and ours is not None:
+            theirs = results[other]
+            ratio_rows.append(
+                [
+                    f"{subject}/{other}",
+                    ratio(ours.first_step_s, theirs.first_step_s),
+                    ratio(ours.step_median_s, theirs.step_median_s),
+                ]
+            )
+    ratios = tabulate(ratio_rows, headers=["ratio", "first step", "step median"])
+    return f"{absolute}\n\n{ratios}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per backend")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    parser.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help=f"comma-separated torch.compile backends (default {BACKENDS})",
+    )
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for the run (default: torch's choice); on a "
+        "machine shared with other work, 1 avoids OpenMP threads spinning",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the tables, optionally write JSON; return the JSON object."""
+    args = parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    config = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+    )
+    n_params = sum(p.numel() for p in GPT(config).parameters())
+    print(
+        f"GPT {config} ({n_params / 1e6:.2f}M parameters), batch {args.batch}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps"
+    )
+    results: dict[str, Measurement] = {}
+    for backend in [None, *backends]:
+        measurement = measure(backend, config, args.batch, args.steps, args.warmup)
+        results[measurement.backend] = measurement
+        print(
+            f"  {measurement.backend}: first step {fmt(measurement.first_step_s, 1, 2)} s, "
+            f"step {fmt(measurement.step_median_s, 1000, 1)} ms",
+            flush=True,
+        )
+    print()
+    print(report(results, subject=backends[0] if backends else "eager"))
+    payload = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "config": asdict(config),
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": {name: asdict(m) for name, m in results.items()},
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
