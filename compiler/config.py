@@ -17,6 +17,8 @@ from zeroc.runtime.errors import OptionError
 MODES = ("default", "max-autotune")
 KERNEL_BACKENDS = ("auto", "triton", "aten")
 PARTITIONERS = ("min_cut", "default")
+# The pipeline schedules of zeroc.passes.schedule (kept here so the config stays import-light).
+SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,13 @@ class Config:
         buckets of at most this many MiB; one collective per bucket.
     prefetch: how many gather buckets ahead of their use a ZeRO-3 gather is issued (0: right
         before use, no overlap).
+    schedule: the pipeline schedule when the model was parallelized with pp > 1: one of
+        ``SCHEDULES`` ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev").
+    microbatches: micro-batches per step with pp > 1; ``None`` picks the number of stages, or
+        the schedule's minimum when that is larger (dualpipe needs 2 * pp). Must divide the
+        batch.
+    split_points: with pp > 1, the modules that start stages 1, 2, ... (e.g. ``["layers.4"]``);
+        ``None`` balances the stages by the cost model.
     """
 
     mode: str = "default"
@@ -48,6 +57,9 @@ class Config:
     cache_dir: str = "~/.cache/zeroc"
     bucket_mb: float = 25.0
     prefetch: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    split_points: tuple[str, ...] | None = None
 
     @staticmethod
     def build(mode: str | None = None, options: Mapping[str, Any] | None = None) -> Config:
@@ -103,6 +115,29 @@ def _check(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise OptionError(f"zeroc: option bucket_mb={value!r} must be a number > 0 (MiB)")
         return float(value)
+    if key == "schedule":
+        if value not in SCHEDULES:
+            raise OptionError(
+                f"zeroc: option schedule={value!r} is not a known schedule; "
+                f"known: {list(SCHEDULES)}"
+            )
+        return value
+    if key == "microbatches":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise OptionError(
+                f"zeroc: option microbatches={value!r} must be None or an integer >= 1")
+        return value
+    if key == "split_points":
+        if value is None:
+            return None
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, str) and v for v in value):
+            raise OptionError(
+                f"zeroc: option split_points={value!r} must be None or a list of module names "
+                "such as ['layers.4']"
+            )
+        return tuple(value)
     if key == "prefetch":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise OptionError(f"zeroc: option prefetch={value!r} must be an integer >= 0")
