@@ -2,8 +2,10 @@
 
 For each backend, in one process: ``torch._dynamo.reset()``, a fresh model from the same seed,
 then the first training step (forward + backward, the one that compiles) is timed as the
-compile time, and the median of ``--steps`` full steps (forward, backward, AdamW step,
-zero_grad) after ``--warmup`` steps as the steady step time. Eager PyTorch is the baseline.
+compile time. Then the median of ``--steps`` full steps (forward, backward, AdamW step,
+zero_grad) after ``--warmup`` steps is the steady step time; these steps run round-robin over
+the backends, so that load from other processes falls on all of them alike. Eager PyTorch is
+the baseline. The warm-up steps also absorb the recompiles caused by the resets.
 
 Every backend first compiles a tiny unrelated function so that one-time imports are not
 charged to whichever backend runs first; the Inductor and zeroc caches point at a fresh
@@ -69,49 +71,78 @@ def warm_up_backend(backend: str) -> None:
     torch._dynamo.reset()
 
 
-def measure(
-    backend: str | None, config: GPTConfig, batch: int, steps: int, warmup: int
-) -> Measurement:
-    """Time one backend (``None``: eager) on the GPT; never raises for a failing backend."""
-    name = backend or "eager"
-    result = Measurement(name)
+@dataclass
+class Trainer:
+    """A model, its optimizer and the callable that runs it (compiled or eager)."""
+
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    run: Any
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    def step(self) -> torch.Tensor:
+        """One full training step; returns the loss."""
+        loss = self.run(self.inputs, self.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _record_failure(result: Measurement, error: Exception) -> None:
+    message = str(error).splitlines()[0] if str(error) else ""
+    result.error = f"{type(error).__name__}: {message}"
+    print(f"[{result.backend}] failed:\n{traceback.format_exc()}", file=sys.stderr)
+
+
+def compile_and_time_first_step(
+    backend: str | None, config: GPTConfig, batch: int, result: Measurement
+) -> Trainer | None:
+    """Build a fresh model, run its first step (the compile) and time it; None on failure."""
     try:
         if backend is not None:
             warm_up_backend(backend)
         torch._dynamo.reset()
         model = GPT(config, seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        run = (
-            model
-            if backend is None
-            else torch.compile(model, backend=backend, options=compile_options(backend))
-        )
+        run = model
+        if backend is not None:
+            run = torch.compile(model, backend=backend, options=compile_options(backend))
         inputs, targets = model.example_batch(batch_size=batch, seed=0)
-
+        trainer = Trainer(model, optimizer, run, inputs, targets)
         start = time.perf_counter()
         run(inputs, targets).backward()
         result.first_step_s = time.perf_counter() - start
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-        times = []
-        for step in range(warmup + steps):
-            start = time.perf_counter()
-            loss = run(inputs, targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-        result.step_median_s = statistics.median(times)
-        result.step_min_s = min(times)
-        result.final_loss = float(loss.detach())
+        return trainer
     except Exception as error:  # a failing backend is reported, the others still run
-        result.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        print(f"[{name}] failed:\n{traceback.format_exc()}", file=sys.stderr)
-    finally:
-        torch._dynamo.reset()
-    return result
+        _record_failure(result, error)
+        return None
+
+
+def time_steady_steps(
+    trainers: dict[str, Trainer], results: dict[str, Measurement], steps: int, warmup: int
+) -> None:
+    """Round-robin steps over all trainers, so load from elsewhere hits every backend alike."""
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for round_index in range(warmup + steps):
+        for name in list(trainers):
+            try:
+                start = time.perf_counter()
+                loss = trainers[name].step()
+                elapsed = time.perf_counter() - start
+            except Exception as error:
+                _record_failure(results[name], error)
+                del trainers[name]
+                continue
+            if round_index >= warmup:
+                times[name].append(elapsed)
+            results[name].final_loss = float(loss)
+    for name in trainers:
+        results[name].step_median_s = statistics.median(times[name])
+        results[name].step_min_s = min(times[name])
 
 
 def ratio(numerator: float | None, denominator: float | None) -> str:
@@ -176,12 +207,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(BACKENDS),
         help=f"comma-separated torch.compile backends (default {BACKENDS})",
     )
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument(
         "--threads",
         type=int,
@@ -219,14 +250,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.steps} timed steps after {args.warmup} warm-up steps"
     )
     results: dict[str, Measurement] = {}
+    trainers: dict[str, Trainer] = {}
     for backend in [None, *backends]:
-        measurement = measure(backend, config, args.batch, args.steps, args.warmup)
-        results[measurement.backend] = measurement
-        print(
-            f"  {measurement.backend}: first step {fmt(measurement.first_step_s, 1, 2)} s, "
-            f"step {fmt(measurement.step_median_s, 1000, 1)} ms",
-            flush=True,
-        )
+        name = backend or "eager"
+        results[name] = Measurement(name)
+        trainer = compile_and_time_first_step(backend, config, args.batch, results[name])
+        if trainer is not None:
+            trainers[name] = trainer
+        print(f"  {name}: first step {fmt(results[name].first_step_s, 1, 2)} s", flush=True)
+    time_steady_steps(trainers, results, args.steps, args.warmup)
     print()
     print(report(results, subject=backends[0] if backends else "eager"))
     payload = {
