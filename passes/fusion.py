@@ -110,6 +110,16 @@ def build_kernel(gm: torch.fx.GraphModule, group: Group, name_index: int, backen
     return kernel, inputs, outputs
 
 
+def _outputs_contiguous(group: Group) -> bool:
+    members = set(group.nodes)
+    for node in group.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and any(u not in members for u in node.users):
+            if not value.is_contiguous():
+                return False
+    return True
+
+
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -174,7 +184,9 @@ def fusion(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     if not getattr(ctx.config, "fusion", True):
         return PassResult(gm, False, {"kernels": 0, "fused_ops": 0})
     cache_dir = getattr(ctx.config, "cache_dir", None)
-    groups = find_groups(gm.graph)
+    # A kernel writes contiguous outputs; a value the rest of the graph reads with other
+    # strides (later views were traced against them) stays with its aten ops.
+    groups = [g for g in find_groups(gm.graph) if _outputs_contiguous(g)]
     fused_ops = 0
     on_gpu = ctx.device.type == "cuda"
     built = [build_kernel(gm, group, len(ctx.kernels) + i, backend, cache_dir)
