@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Container
 
 import torch
 import torch.distributed as dist
@@ -122,13 +123,16 @@ def _validate(model: nn.Module, zero: int, mixed_precision: str | None) -> None:
         raise ValueError(
             f"mixed_precision={mixed_precision!r} is not allowed: use None or 'bf16'"
         )
+    seen: set[int] = set()
     for path, module in model.named_modules():
         if parametrize.is_parametrized(module):
             raise ValueError(
                 f"model: module {path or '<root>'!r} already has parametrizations; "
                 "zeroc.parallelize needs plain parameters"
             )
-        meta = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
+        params = [(n, p) for n, p in module._parameters.items() if p is not None]
+        meta = [n for n, p in params if p.is_meta and id(p) not in seen]
+        seen.update(id(p) for _, p in params)
         if meta and not callable(getattr(module, "reset_parameters", None)):
             raise ValueError(
                 f"parameter {_join(path, meta[0])!r} is on the meta device and its module "
@@ -150,13 +154,15 @@ def _materialize_device() -> torch.device:
 
 
 def _materialize_direct(
-    module: nn.Module, device: torch.device, done: set[int]
+    module: nn.Module, device: torch.device, done: Container[int]
 ) -> dict[str, torch.Tensor]:
     """Full tensors for ``module``'s direct meta parameters, filled by ``reset_parameters``."""
     params = {n: p for n, p in module._parameters.items() if p is not None}
-    if not any(p.is_meta for p in params.values()):
+    reset = getattr(module, "reset_parameters", None)
+    # _validate made sure a module owning a meta parameter first can reset it; a module that
+    # only re-uses tied parameters materialized earlier may lack reset_parameters.
+    if not any(p.is_meta for p in params.values()) or not callable(reset):
         return {}
-    reset = module.reset_parameters  # presence checked by _validate
     scratch = {
         n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
         for n, p in params.items()
@@ -250,7 +256,7 @@ def parallelize(
     renamed_by_module: list[tuple[nn.Module, tuple[str, ...]]] = []
     wrapped = zero > 0 or compute_dtype is not None
     for path, module in list(model.named_modules()):
-        fresh = _materialize_direct(module, device, set(entries))
+        fresh = _materialize_direct(module, device, entries)
         renamed: list[str] = []
         for local, param in list(module._parameters.items()):
             if param is None:
@@ -296,6 +302,9 @@ def parallelize(
         params=tuple(entry.record(zero, mesh.dp) for entry in entries.values()),
     )
     setattr(model, LAYOUT_ATTR, layout)
+    # The backend finds the layout (pp, mesh) from the parameters Dynamo hands it.
+    for param in model.parameters():
+        setattr(param, LAYOUT_ATTR, layout)
     return model
 
 

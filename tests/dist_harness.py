@@ -7,7 +7,8 @@ calls ``fn(rank, world_size, *args)`` and returns the list of per-rank results.
 
 ``fn`` and its arguments and results must be picklable (a module-level function of an
 importable module). An exception on any rank is re-raised in the parent as ``RankError`` with
-that rank's traceback; the other ranks (often blocked in a collective) are then stopped. When
+the traceback of every rank that failed, first reported first; the other ranks (often blocked
+in a collective) are then stopped. When
 ``timeout`` seconds pass first, the ranks still running are killed and ``RankTimeout`` names
 them. Only the processes this call started are ever signalled.
 
@@ -60,14 +61,14 @@ def _rank_main(
             _HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60)
         )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        value = fn(rank, world_size, *args)
+        dist.destroy_process_group()
         # Plain pickle copies tensors by value (the Queue's pickler would share them through
         # file descriptors that vanish when this process exits).
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:
+        # Report before the group is torn down: closing it makes peers fail too, and the
+        # first report should be the cause.
         results.put((rank, False, traceback.format_exc()))
     # Skip the interpreter's slow teardown once the result is flushed to the parent.
     results.close()
@@ -126,13 +127,13 @@ def _collect(
     processes: list, results: multiprocessing.Queue, world_size: int, timeout: float
 ) -> list[Any]:
     values: dict[int, Any] = {}
-    failure: tuple[int, str] | None = None
+    failures: list[tuple[int, str]] = []
     deadline = time.monotonic() + timeout
     while len(values) < world_size:
         now = time.monotonic()
         if now >= deadline:
             running = [r for r in range(world_size) if r not in values]
-            if failure is not None:
+            if failures:
                 break
             raise RankTimeout(
                 f"ranks {running} of {world_size} did not finish within {timeout} s"
@@ -144,7 +145,7 @@ def _collect(
                 r for r, p in enumerate(processes)
                 if r not in values and not p.is_alive() and p.exitcode not in (0, None)
             ]
-            if dead and failure is None and results.empty():
+            if dead and not failures and results.empty():
                 raise RankError(
                     f"rank {dead[0]} exited with code {processes[dead[0]].exitcode} "
                     "without reporting a result"
@@ -152,13 +153,15 @@ def _collect(
             continue
         if ok:
             values[rank] = pickle.loads(value)
-        elif failure is None:
-            failure = (rank, value)
+            continue
+        if not failures:
             deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR_S)
-            values[rank] = None
-    if failure is not None:
-        rank, trace = failure
-        raise RankError(f"rank {rank} of {world_size} raised:\n{trace}")
+        failures.append((rank, value))
+        values[rank] = None
+    if failures:
+        raise RankError(
+            "\n".join(f"rank {rank} of {world_size} raised:\n{trace}" for rank, trace in failures)
+        )
     return [values[r] for r in range(world_size)]
 
 

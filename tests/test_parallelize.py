@@ -265,6 +265,7 @@ def test_layout_and_parameter_names_single_rank() -> None:
     model = parallelize(make_model(), zero=3)
     layout = model._zeroc_layout
     assert (layout.zero, layout.pp, layout.dp, layout.world) == (3, 1, 1, 1)
+    assert (layout.mesh.rank, layout.dp_group_name, layout.mesh.pp_group_name) == (0, "", "")
     names = [name for name, _ in model.named_parameters()]
     assert names[0] == "tok.parametrizations.weight.original"
     assert len(names) == len(list(make_model().parameters()))

@@ -1,10 +1,13 @@
-"""The zeroc::unshard / zeroc::reduce_grad custom ops: arithmetic, collectives, tracing."""
+"""The zeroc::unshard / zeroc::reduce_grad custom ops (arithmetic, collectives, tracing), and the
+multi-rank harness the distributed tests rely on."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from dist_harness import run_ranks
+from dist_harness import RankError, RankTimeout, run_ranks
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -159,3 +162,35 @@ def test_ops_communicate_on_two_ranks() -> None:
         eager(torch.full((4, 2), float(rank + 1))).backward()
     expected_grad = shard_of(eager.weight.grad / world, world, 0)
     torch.testing.assert_close(results[0]["compiled"]["grad"], expected_grad)
+
+
+def _fail_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    torch.distributed.barrier()
+    return rank
+
+
+def _return_rank(rank: int, world: int) -> int:
+    return rank
+
+
+def _sleep_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_harness_reports_a_rank_error_with_its_traceback() -> None:
+    with pytest.raises(RankError, match=r"(?s)rank 1 of 2 raised:\nTraceback.*rank one refuses"):
+        run_ranks(_fail_on_rank_one, 2, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_harness_kills_ranks_past_the_timeout() -> None:
+    assert run_ranks(_return_rank, 2) == [0, 1]  # warm start: the timeout counts start-up too
+    started = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish within 6 s"):
+        run_ranks(_sleep_on_rank_one, 2, timeout=6)
+    assert time.monotonic() - started < 40
