@@ -59,6 +59,7 @@ from zeroc.runtime.zero_ops import (
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES"]
 
 LAYOUT_ATTR = "_zeroc_layout"
+PARAM_ATTR = "_zeroc_param"
 MIXED_PRECISION_MODES = (None, "bf16")
 _COMPUTE_DTYPES = {None: None, "bf16": torch.bfloat16}
 
@@ -246,7 +247,9 @@ def parallelize(
     ``world // pp`` data-parallel ranks each (the pipeline split itself is done by the
     compiler). ``mixed_precision`` is ``None`` or ``"bf16"``. Without an initialized process
     group the world is one rank. Every rank must call this with the same arguments on the same
-    model definition. The result is recorded as ``model._zeroc_layout`` (a ``ZeroLayout``).
+    model definition. The result is recorded as ``model._zeroc_layout`` (a ``ZeroLayout``); each
+    parameter the optimizer sees carries the same ``_zeroc_layout`` and its own ``ParamShard`` as
+    ``_zeroc_param``, so a compiler handed only the parameters can find both.
     """
     _validate(model, zero, mixed_precision)
     mesh = build_mesh(pp)
@@ -303,8 +306,9 @@ def parallelize(
     )
     setattr(model, LAYOUT_ATTR, layout)
     # The backend finds the layout (pp, mesh) from the parameters Dynamo hands it.
-    for param in model.parameters():
-        setattr(param, LAYOUT_ATTR, layout)
+    for entry, record in zip(entries.values(), layout.params, strict=True):
+        setattr(entry.replacement, LAYOUT_ATTR, layout)
+        setattr(entry.replacement, PARAM_ATTR, record)
     return model
 
 

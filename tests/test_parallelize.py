@@ -271,7 +271,9 @@ def test_layout_and_parameter_names_single_rank() -> None:
     assert len(names) == len(list(make_model().parameters()))
     tok = layout.by_name()["head.weight"]
     assert (tok.name, tok.tied_names, tok.shape) == ("tok.weight", ("head.weight",), (13, 6))
-    assert model.tok.parametrizations.weight.original is model.head.parametrizations.weight.original
+    shard = model.tok.parametrizations.weight.original
+    assert shard is model.head.parametrizations.weight.original
+    assert shard._zeroc_layout is layout and shard._zeroc_param is tok
     plain = parallelize(make_model(), zero=0)
     assert [n for n, _ in plain.named_parameters()] == [
         n for n, _ in make_model().named_parameters()
