@@ -14,6 +14,7 @@ import torch.fx
 from zeroc.capture import compile_dynamo_graph
 from zeroc.config import Config
 from zeroc.errors import OptionError, passthrough
+from zeroc.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
 from zeroc.session import find_compile_wrapper, session_for
 
 
@@ -31,6 +32,9 @@ def zeroc_backend(
     try:
         config = Config.build(mode, options)
         session = session_for(find_compile_wrapper(), config)
+        layout = pipeline_layout_of(example_inputs)
+        if layout is not None:
+            return compile_pipeline(gm, example_inputs, config, session, layout)
         return compile_dynamo_graph(gm, example_inputs, config, session)
-    except OptionError as error:
+    except (OptionError, PipelineError) as error:
         raise passthrough(error) from None

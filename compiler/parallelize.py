@@ -7,8 +7,9 @@ is ``zeroc::unshard``; its backward ``zeroc::reduce_grad`` lands the averaged gr
 in how gradients are reduced (stage 1 all-reduces full gradients, stages 2-3 reduce-scatter).
 Where weights stay resident and when they are gathered again is decided by the compiler.
 
-Stage 0 is plain data parallelism: parameters keep their shape and a post-accumulate-grad hook
-averages each gradient over the data-parallel group after backward (like DDP).
+Stage 0 is plain data parallelism: the "shard" is the whole flat parameter, unshard only
+reshapes it, and its backward ``zeroc::reduce_grad`` all-reduces (averages) the gradient over
+the data-parallel group, so the compiler sees the reduction in the graph and buckets it.
 
 Naming: ``model.named_parameters()`` shows the shards as ``<module>.parametrizations.<name>
 .original`` (torch's parametrize names); ``model.state_dict()`` keeps the original keys (e.g.
@@ -46,7 +47,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
 
-from zeroc.runtime.mesh import Mesh, build_mesh, resolve_group
+from zeroc.runtime.mesh import Mesh, build_mesh
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
     ParamShard,
@@ -90,18 +91,6 @@ class UnshardParametrization(nn.Module):
 
     def extra_repr(self) -> str:
         return f"shape={self.shape}, zero={self.zero_stage}, group={self.group_name!r}"
-
-
-class CastParametrization(nn.Module):
-    """``module.<name>`` = the replicated fp32 parameter cast to the compute dtype (stage 0)."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.dtype = dtype
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        """Cast the master weight for compute."""
-        return weight.to(self.dtype)
 
 
 def layout_of(model: nn.Module) -> ZeroLayout | None:
@@ -190,15 +179,6 @@ def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return tensor
 
 
-def _average_grad_hook(group_name: str, dp: int):
-    def average_grad(param: torch.Tensor) -> None:
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=resolve_group(group_name))
-            param.grad.div_(dp)
-
-    return average_grad
-
-
 def _state_dict_hooks(module: nn.Module, renamed: tuple[str, ...]) -> None:
     """Keep original keys (``fc.weight``) in ``state_dict``/``load_state_dict`` of ``module``."""
     order = tuple(n for n, p in module._parameters.items() if p is not None) + renamed
@@ -257,7 +237,7 @@ def parallelize(
     device = _materialize_device()
     entries: dict[int, _Entry] = {}  # id(original parameter) -> what replaced it
     renamed_by_module: list[tuple[nn.Module, tuple[str, ...]]] = []
-    wrapped = zero > 0 or compute_dtype is not None
+    wrapped = True
     for path, module in list(model.named_modules()):
         fresh = _materialize_direct(module, device, entries)
         renamed: list[str] = []
@@ -279,14 +259,9 @@ def parallelize(
                 )
                 entries[id(param)] = entry
             module._parameters[local] = entry.replacement
-            if zero > 0:
-                parametrization: nn.Module = UnshardParametrization(
-                    entry.shape, param.numel(), mesh.dp_group_name, zero, compute_dtype
-                )
-            elif compute_dtype is not None:
-                parametrization = CastParametrization(compute_dtype)
-            else:
-                continue
+            parametrization: nn.Module = UnshardParametrization(
+                entry.shape, param.numel(), mesh.dp_group_name, zero, compute_dtype
+            )
             parametrize.register_parametrization(module, local, parametrization, unsafe=True)
             renamed.append(local)
         if renamed:
@@ -339,18 +314,6 @@ class _Entry:
 def _replacement(
     param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh
 ) -> nn.Parameter:
-    """The parameter that stands for ``param`` on this rank: its shard, or itself at stage 0."""
-    if zero > 0:
-        return nn.Parameter(shard_of(full, mesh.dp, mesh.dp_index), param.requires_grad)
-    if param.is_meta:
-        replacement = nn.Parameter(full, param.requires_grad)
-    else:
-        replacement = param
-        if full.data_ptr() != param.data_ptr():
-            with torch.no_grad():
-                param.copy_(full)
-    if mesh.dp > 1 and replacement.requires_grad:
-        replacement.register_post_accumulate_grad_hook(
-            _average_grad_hook(mesh.dp_group_name, mesh.dp)
-        )
-    return replacement
+    """The parameter that stands for ``param`` on this rank: its flat shard (stage 0: all of it)."""
+    dp, index = (mesh.dp, mesh.dp_index) if zero > 0 else (1, 0)
+    return nn.Parameter(shard_of(full, dp, index), param.requires_grad)

@@ -10,8 +10,10 @@ collective: all ranks must call it.
 collective too, and it checks keys and shapes first (on rank 0 when only rank 0 has the dict;
 the verdict is shared so every rank raises the same ``ValueError``).
 
-With ``pp > 1`` every pipeline position holds the same parameter set; the dict is gathered
-from the data-parallel group of global rank 0.
+With ``pp > 1`` every pipeline position holds the same parameter set, but only the positions
+running a parameter's stage update it: each parameter is broadcast from the first such
+position (recorded on the parameter when the pipeline compiles), so the dict holds every
+stage's current values.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroc.parallelize import layout_of
+from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
 from zeroc.runtime.zero_ops import ParamShard, shard_of, unshard
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -35,7 +38,8 @@ def _world_and_rank() -> tuple[int, int]:
 
 
 def _full_tensor(value: torch.Tensor, record: ParamShard, group_name: str) -> torch.Tensor:
-    """The full parameter gathered from this rank's shard ``value`` (collective over dp)."""
+    """The full parameter gathered from this rank's shard ``value`` (collective over dp;
+    ``group_name=""`` when ``value`` is the whole flat parameter, as at stage 0)."""
     with torch.no_grad():
         return unshard(value.detach(), record.shape, record.numel, group_name, 3).clone()
 
@@ -44,10 +48,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather full tensors under their original keys; the dict on rank 0, ``{}`` elsewhere."""
     layout = layout_of(model)
     _, rank = _world_and_rank()
-    sharded = layout.by_name() if layout is not None and layout.zero > 0 else {}
-    group_name = layout.dp_group_name if layout is not None else ""
+    sharded = layout.by_name() if layout is not None else {}
+    # Stage 0 keeps whole flat parameters: reshaping needs no gather.
+    group_name = layout.dp_group_name if layout is not None and layout.zero > 0 else ""
     gathered: dict[str, torch.Tensor] = {}
     result: dict[str, torch.Tensor] = {}
+    sources = _pipeline_sources(model) if layout is not None and layout.pp > 1 else {}
     for key, value in model.state_dict().items():
         record = sharded.get(key)
         if record is None:
@@ -56,9 +62,27 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             full = gathered[record.name]
         else:
             full = gathered[record.name] = _full_tensor(value, record, group_name)
+        if key in sources:
+            full = full.contiguous()
+            dist.broadcast(full, src=sources[key])
         if rank == 0:
             result[key] = full
     return result
+
+
+def _pipeline_sources(model: nn.Module) -> dict[str, int]:
+    """Key -> global rank that holds the parameter's up-to-date value (pp > 1).
+
+    A compiled pipeline tags each parameter with the pipeline position of its first stage
+    (``_zeroc_pp_source``); the first data-parallel rank of that position is the source.
+    """
+    layout = layout_of(model)
+    sources = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        position = getattr(value, PP_SOURCE_ATTR, None)
+        if position is not None:
+            sources[key] = position * layout.dp
+    return sources
 
 
 def _expected(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, ...]]]:
@@ -144,9 +168,10 @@ def load_full_state_dict(
     shapes, names = _expected(model)
     everywhere = _agree_on_source(state_dict, shapes, names)
     _, rank = _world_and_rank()
-    sharded = layout.by_name() if layout is not None and layout.zero > 0 else {}
-    dp = layout.dp if layout is not None else 1
-    dp_index = layout.mesh.dp_index if layout is not None else 0
+    sharded = layout.by_name() if layout is not None else {}
+    split = layout is not None and layout.zero > 0
+    dp = layout.dp if split else 1
+    dp_index = layout.mesh.dp_index if split else 0
     loaded: set[str] = set()
     with torch.no_grad():
         for key, target in model.state_dict(keep_vars=True).items():

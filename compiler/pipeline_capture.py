@@ -1,0 +1,336 @@
+"""The pp > 1 compile path: one Dynamo graph -> stages -> per-stage graphs -> a train step.
+
+``compile_pipeline`` is what the backend calls when the model's parameters carry a
+``ZeroLayout`` with ``pp > 1`` (``zeroc.parallelize(model, pp=...)``):
+
+1. The batch inputs (the tensors the user passed) are cut into micro-batches along dim 0 and
+   the graph is re-shaped for one micro-batch (``passes/microbatch_shapes.py``).
+2. The graph is cut into stages (``passes/split_stages.py``): ``pp`` stages, ``2 * pp`` for
+   DualPipeV.
+3. Each stage this rank holds gets its joint graph from AOTAutograd
+   (``aot_export_joint_simple``), the joint passes, the forward/backward partition and the
+   graph passes (ZeRO lowering, fusion), and its backward is split into I and W
+   (``passes/split_weight_grad.py``); F&B graphs are built for overlapped actions
+   (``passes/overlap_fb.py``).
+4. The schedule is built and lowered with p2p actions; the result is a ``PipelinedStep``.
+
+Train-step mode (DESIGN.md §4.6): calling the compiled model runs the whole schedule. The loss
+comes back from a ``torch.autograd.Function`` that kept the parameter gradients; its backward
+multiplies them by the incoming gradient. Under ``torch.no_grad()`` only forwards run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch._functorch.aot_autograd import aot_export_joint_simple
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+from zeroc.capture import parameter_infos, source_name
+from zeroc.config import Config
+from zeroc.passes.base import PassContext, PassRecord, graph_text, run_passes
+from zeroc.passes.comm_lowering import lower_communication
+from zeroc.passes.microbatch_shapes import microbatch_graph
+from zeroc.passes.overlap_fb import overlap_forward_backward
+from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
+from zeroc.passes.schedule import build_schedule
+from zeroc.passes.split_stages import StageSplit, split_stages
+from zeroc.passes.split_weight_grad import split_weight_grad
+from zeroc.runtime.actions import ActionKind, Schedule
+from zeroc.runtime.cost import graph_info, tensor_bytes
+from zeroc.runtime.pipeline_executor import (
+    PP_SOURCE_ATTR,
+    PipelineExecutor,
+    PipelineLayout,
+    StageProgram,
+)
+from zeroc.runtime.records import PassInfo
+from zeroc.runtime.zero_ops import ZeroLayout
+from zeroc.session import CompiledGraph, CompileSession
+
+LAYOUT_ATTR = "_zeroc_layout"
+
+
+class PipelineError(ValueError):
+    """A model or option the pipeline cannot compile (reaches the user as a ValueError)."""
+
+
+def pipeline_layout_of(example_inputs: list[Any]) -> ZeroLayout | None:
+    """The layout ``zeroc.parallelize`` tagged on the graph's parameters, if it has pp > 1."""
+    for value in example_inputs:
+        layout = getattr(value, LAYOUT_ATTR, None) if isinstance(value, nn.Parameter) else None
+        if layout is not None and layout.pp > 1:
+            return layout
+    return None
+
+
+def default_microbatches(schedule: str, pp: int) -> int:
+    """Micro-batches when the user gives none: the stages, or the schedule's minimum."""
+    stages = 2 * pp if schedule == "dualpipev" else pp
+    return max(stages, 2 * pp) if schedule in ("dualpipe", "dualpipev") else stages
+
+
+def _is_user_input(node: torch.fx.Node) -> bool:
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    text = source.name() if callable(getattr(source, "name", None)) else str(source)
+    return "self" not in text and "_modules" not in text and "_buffers" not in text
+
+
+def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
+                  params: set[int]) -> tuple[set[int], int]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = {i for i, (n, v) in enumerate(zip(placeholders, inputs, strict=False))
+             if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
+             and _is_user_input(n)}
+    sizes = {placeholders[i].name: int(inputs[i].shape[0]) for i in sorted(batch)}
+    if not sizes:
+        raise ValueError("zeroc pipeline: the model takes no tensor input to cut into "
+                         "micro-batches; pass the batch as tensors (batch in dimension 0)")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"zeroc pipeline: every tensor input is cut into micro-batches along "
+                         f"dimension 0, so they need one batch size; got {sizes}")
+    return batch, next(iter(sizes.values()))
+
+
+def _check_one_graph(layout: ZeroLayout, params: set[int]) -> None:
+    if len(params) < len(layout.params):
+        raise ValueError(
+            f"zeroc pipeline: this graph uses {len(params)} of the model's "
+            f"{len(layout.params)} parameters; with pp={layout.pp} the whole forward must be "
+            "one graph: remove the graph breaks (torch._dynamo.explain shows them) or unused "
+            "parameters"
+        )
+
+
+def _check_loss(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    values = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
+              for a in torch.utils._pytree.tree_flatten(output.args[0])[0]]
+    ok = (len(values) == 1 and isinstance(values[0], torch.Tensor) and values[0].dim() == 0
+          and values[0].is_floating_point())
+    if not ok:
+        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                  for v in values]
+        raise ValueError(
+            f"zeroc pipeline: with pp > 1 the compiled call runs the whole training step, so "
+            f"the model must return one scalar loss (e.g. F.cross_entropy(logits, targets)); "
+            f"it returned {shapes}. Pass the targets to forward and return the mean loss"
+        )
+
+
+@dataclasses.dataclass
+class PipelineRecord:
+    """What the plan shows about a pipelined compile (kept on the session)."""
+
+    split: StageSplit
+    schedule: Schedule
+    layout: ZeroLayout
+    executor: PipelineExecutor
+    stage_params: dict[int, int]
+
+
+def compile_pipeline(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    config: Config,
+    session: CompileSession,
+    layout: ZeroLayout,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph of a pp > 1 model into a pipelined train step."""
+    try:
+        return _compile_pipeline(gm, example_inputs, config, session, layout)
+    except ValueError as error:
+        if isinstance(error, PipelineError):
+            raise
+        raise PipelineError(str(error)) from None
+
+
+def _compile_pipeline(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    config: Config,
+    session: CompileSession,
+    layout: ZeroLayout,
+) -> Callable[..., Any]:
+    params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
+    _check_one_graph(layout, params)
+    _check_loss(gm, example_inputs)
+    batch_inputs, batch = _batch_inputs(gm, example_inputs, params)
+    pp = layout.pp
+    microbatches = config.microbatches or default_microbatches(config.schedule, pp)
+    if batch % microbatches:
+        raise ValueError(
+            f"zeroc pipeline: microbatches={microbatches} does not divide the batch of "
+            f"{batch}; use a batch that is a multiple of {microbatches} or a microbatches "
+            f"option that divides {batch}"
+        )
+    try:
+        schedule = build_schedule(config.schedule, pp, microbatches)
+    except ValueError as error:
+        raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
+                         f"microbatches={microbatches}: {error}") from None
+    mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, batch // microbatches)
+    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
+    position = layout.mesh.pp_index
+    prefix = f"g{session.next_graph_index()}"
+    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
+                           dynamo_code=graph_text(gm))
+    session.add(record)
+    names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
+    device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
+                  torch.device("cpu"))
+    record.device = str(device)
+    programs = {s: _compile_stage(split, s, example_inputs, batch_inputs, batch // microbatches,
+                                  config, record, names, device) for s in mine}
+    if any(a.kind is ActionKind.FB for a in schedule.actions[position]):
+        for a in schedule.actions[position]:
+            if a.kind is ActionKind.FB and a.b_stage not in programs[a.stage].overlapped:
+                programs[a.stage].overlapped[a.b_stage] = overlap_forward_backward(
+                    programs[a.stage], programs[a.b_stage])
+    holders: dict[int, set[int]] = {}
+    for spec in split.stages:
+        for index in spec.param_inputs:
+            holders.setdefault(index, set()).update(schedule.placement[spec.index])
+    for index, positions in holders.items():
+        setattr(example_inputs[index], PP_SOURCE_ATTR, min(positions))
+    executor = PipelineExecutor(
+        PipelineLayout(
+            schedule=lower_communication(schedule),
+            forward_schedule=lower_communication(_forward_only(schedule)),
+            messages=split.messages,
+            values=split.values,
+            batch_inputs=frozenset(batch_inputs),
+            microbatch=batch // microbatches,
+            holders={i: tuple(sorted(h)) for i, h in holders.items()},
+            position=position,
+            global_ranks=layout.mesh.pp_group_ranks,
+            group_name=layout.mesh.pp_group_name,
+        ),
+        programs,
+    )
+    session.pipeline = PipelineRecord(  # type: ignore[attr-defined]
+        split=split, schedule=schedule, layout=layout, executor=executor,
+        stage_params={s.index: sum(example_inputs[i].numel() for i in s.param_inputs)
+                      for s in split.stages})
+    grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad))
+    return PipelinedStep(executor, grad_inputs)
+
+
+def _forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` in the same per-rank order (for ``torch.no_grad()``)."""
+    return schedule.replace_actions(tuple(
+        tuple(part for a in rank_actions for part in a.parts() if part.kind is ActionKind.F)
+        for rank_actions in schedule.actions))
+
+
+def _example_args(split: StageSplit, index: int, inputs: list[Any], batch_inputs: set[int],
+                  microbatch: int) -> list[torch.Tensor]:
+    spec = split.stages[index]
+    args = [inputs[i] for i in spec.param_inputs]
+    args += [inputs[i][:microbatch] if i in batch_inputs else inputs[i]
+             for i in spec.local_inputs]
+    for key in spec.in_keys:
+        shape, dtype, requires_grad = split.values[key]
+        args.append(torch.zeros(shape, dtype=dtype, device=args[0].device if args else None)
+                    .requires_grad_(requires_grad))
+    return args
+
+
+def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_inputs: set[int],
+                   microbatch: int, config: Config, record: CompiledGraph, names: list[str],
+                   device: torch.device) -> StageProgram:
+    spec = split.stages[index]
+    args = _example_args(split, index, inputs, batch_inputs, microbatch)
+    joint = aot_export_joint_simple(spec.gm, args, trace_joint=True)
+    stage_name = f"{record.prefix}.s{index}"
+    primal_names = [names[i] for i in (*spec.param_inputs, *spec.local_inputs)] + list(
+        spec.in_keys)
+    input_names = {f"primals_{i + 1}": n for i, n in enumerate(primal_names)}
+
+    def passes(graph: torch.fx.GraphModule, kind: str, pipeline: tuple) -> torch.fx.GraphModule:
+        name = f"{stage_name}.{kind}"
+        ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
+                          extras={"input_names": input_names})
+        graph, pass_records = run_passes(graph, ctx, pipeline, record=config.record_graphs)
+        record.passes.extend(_pass_infos(pass_records))
+        record.kernels.extend(ctx.kernels)
+        record.collectives.extend(ctx.collectives)
+        if kind != "joint":
+            record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
+        return graph
+
+    joint = passes(joint, "joint", JOINT_PASSES)
+    num_fwd = len(spec.out_keys) + spec.num_model_outputs
+    partition = (min_cut_rematerialization_partition if config.partitioner == "min_cut"
+                 else default_partition)
+    fw, bw = partition(joint, args, num_fwd_outputs=num_fwd)
+    fw = passes(fw, "forward", GRAPH_PASSES)
+    bw = passes(bw, "backward", GRAPH_PASSES)
+    output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    record.saved_bytes += sum(tensor_bytes(n.meta.get("val"))
+                              for n in output.args[0][num_fwd:] if isinstance(n, torch.fx.Node))
+    split_bw = split_weight_grad(bw, len(spec.param_inputs))
+    for kind, graph in (("input_grad", split_bw.input_grad), ("weight_grad", split_bw.weight_grad)):
+        record.graphs.append(graph_info(graph, f"{stage_name}.{kind}", kind, graph_text(graph)))
+    tangent_outputs = tuple(i for i, flag in enumerate(spec.output_requires_grad) if flag)
+    tangents = sum(1 for n in joint.graph.nodes
+                   if n.op == "placeholder" and n.name.startswith("tangents"))
+    if tangents != len(tangent_outputs):
+        raise ValueError(f"zeroc pipeline: stage {index} has {tangents} output gradients in its "
+                         f"joint graph but {len(tangent_outputs)} outputs that require one")
+    return StageProgram(
+        index=index, forward=fw, backward=bw, input_grad=split_bw.input_grad,
+        weight_grad=split_bw.weight_grad, w_inputs=split_bw.w_inputs,
+        num_input_grads=split_bw.num_input_grads, param_inputs=spec.param_inputs,
+        local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
+        num_model_outputs=spec.num_model_outputs, tangent_outputs=tangent_outputs,
+    )
+
+
+def _pass_infos(records: list[PassRecord]) -> list[PassInfo]:
+    return [
+        PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
+                 nodes_before=r.nodes_before, nodes_after=r.nodes_after, before=r.before,
+                 after=r.after, stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
+        for r in records
+    ]
+
+
+class _TrainStep(torch.autograd.Function):
+    """Forward: the whole pipelined step; backward: the kept gradients times the incoming."""
+
+    @staticmethod
+    def forward(ctx, executor: PipelineExecutor, inputs: list[Any], indices: tuple[int, ...],
+                *params: torch.Tensor) -> torch.Tensor:
+        loss, grads = executor.run(inputs, train=True)
+        ctx.grads = [grads.get(i) for i in indices]
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (None, None, None, *scaled)
+
+
+class PipelinedStep:
+    """The callable Dynamo runs in place of the graph: one pipelined step per call."""
+
+    def __init__(self, executor: PipelineExecutor, grad_inputs: tuple[int, ...]) -> None:
+        self.executor = executor
+        self.grad_inputs = grad_inputs
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor]:
+        inputs = list(args)
+        if torch.is_grad_enabled() and self.grad_inputs:
+            params = [inputs[i] for i in self.grad_inputs]
+            return (_TrainStep.apply(self.executor, inputs, self.grad_inputs, *params),)
+        loss, _ = self.executor.run(inputs, train=False)
+        return (loss,)

@@ -1,0 +1,107 @@
+"""The F&B graph: one stage's forward and another's backward interleaved in one graph.
+
+DualPipe's overlapped action runs the forward of micro-batch ``i`` and the backward of
+micro-batch ``j`` at once, so the communication of one hides behind the compute of the other.
+The reference leaves that to a hand-written ``overlapped_forward_backward`` per model; here it is
+a graph transform. The two graphs are independent, so any interleaving of their nodes that
+keeps each graph's own order is valid. ``interleave`` merges them by progress: the next node
+comes from whichever graph has done the smaller fraction of its estimated work (FLOPs plus
+bytes), so a collective issued by one graph (a ZeRO gather, a gradient reduce-scatter) is
+followed by the other graph's compute before its wait.
+
+The merged graph takes ``(forward args..., backward args...)`` and returns
+``(forward outputs..., backward outputs...)``; ``num_forward_outputs`` says where they split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+from zeroc.runtime.cost import node_cost
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    value = output.args[0]
+    return list(tree_flatten(value)[0]) if isinstance(value, (tuple, list)) else [value]
+
+
+def _work(node: torch.fx.Node) -> float:
+    cost = node_cost(node)
+    return float(cost.flops + cost.bytes) + 1.0
+
+
+def _attribute(gm: torch.nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def interleave(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
+               ) -> torch.fx.GraphModule:
+    """One graph running ``forward`` and ``backward`` side by side (module docstring)."""
+    graph = torch.fx.Graph()
+    root = torch.nn.Module()
+    envs: list[dict[torch.fx.Node, torch.fx.Node]] = [{}, {}]
+    sources = (forward, backward)
+    for env, source in zip(envs, sources, strict=True):
+        for node in source.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = graph.node_copy(node, lambda n, env=env: env[n])
+    bodies = [[n for n in s.graph.nodes if n.op not in ("placeholder", "output")]
+              for s in sources]
+    totals = [sum(_work(n) for n in body) or 1.0 for body in bodies]
+    done = [0.0, 0.0]
+    positions = [0, 0]
+    while positions[0] < len(bodies[0]) or positions[1] < len(bodies[1]):
+        if positions[1] >= len(bodies[1]):
+            side = 0
+        elif positions[0] >= len(bodies[0]):
+            side = 1
+        else:
+            side = 0 if done[0] / totals[0] <= done[1] / totals[1] else 1
+        node = bodies[side][positions[side]]
+        env = envs[side]
+        if node.op == "get_attr":
+            name = f"side{side}_{node.target.replace('.', '_')}"
+            setattr(root, name, _attribute(sources[side], node.target))
+            env[node] = graph.get_attr(name)
+            env[node].meta = dict(node.meta)
+        else:
+            env[node] = graph.node_copy(node, lambda n, env=env: env[n])
+        done[side] += _work(node)
+        positions[side] += 1
+    results = []
+    for env, source in zip(envs, sources, strict=True):
+        results.extend(env[v] if isinstance(v, torch.fx.Node) else v for v in _outputs(source))
+    graph.output(tuple(results))
+    merged = torch.fx.GraphModule(root, graph)
+    merged.graph.lint()
+    merged.recompile()
+    return merged
+
+
+class OverlappedGraph:
+    """A callable F&B graph with the count of its forward outputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, num_forward_outputs: int) -> None:
+        self.gm = gm
+        self.num_forward_outputs = num_forward_outputs
+
+    def __call__(self, *args: Any) -> Any:
+        return self.gm(*args)
+
+
+def overlap_forward_backward(f_stage: Any, b_stage: Any) -> OverlappedGraph:
+    """The F&B graph of ``f_stage``'s forward and ``b_stage``'s full backward.
+
+    Both are ``zeroc.runtime.pipeline_executor.StageProgram``s whose ``forward`` and
+    ``backward`` are FX graph modules.
+    """
+    merged = interleave(f_stage.forward, b_stage.backward)
+    return OverlappedGraph(merged, len(_outputs(f_stage.forward)))

@@ -1,0 +1,347 @@
+"""Run one rank's part of a pipeline schedule: stage graphs, micro-batches, p2p, gradients.
+
+A ``StageProgram`` holds a stage's compiled functional graphs (DESIGN.md §4.1):
+``forward(params..., locals..., received...) -> (sent..., model outputs..., saved...)``,
+``backward(saved..., tangents...) -> gradients in input order``, and the same backward split
+into ``input_grad`` (I) and ``weight_grad`` (W). ``PipelineExecutor.run`` walks this rank's
+lowered action list once per step: ``F``/``B``/``I``/``W``/``FB`` call the graphs and keep the
+saved tensors per (stage, micro-batch) itself (no autograd tape), p2p groups move messages.
+
+Messages. ``messages[s]`` names the values stage ``s`` hands to stage ``s + 1`` (its own
+outputs and values passing through it to later stages); the backward message of stage ``s``
+carries the gradients of ``messages[s - 1]``'s values that require one. A pass-through value's
+gradient is what came from downstream plus what the stage's own use of it contributed.
+
+Gradients. The last stage's loss is the mean over micro-batches, so every micro-batch's loss
+gets the tangent ``1 / microbatches``; parameter gradients accumulate over micro-batches and
+are then summed over the pipeline positions holding the same parameter (``p2p.exchange_and_
+sum``). After the step one all-gather over the pipeline group collects every rank's loss share
+and action timings, so every rank returns the loss and can draw the measured timeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroc.runtime.actions import Action, ActionKind, Schedule
+from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.p2p import Transfer, exchange_and_sum, run_transfers
+
+ValueMeta = tuple[tuple[int, ...], torch.dtype, bool]
+# Set on every parameter of a compiled pipeline: the first pipeline position that updates it.
+PP_SOURCE_ATTR = "_zeroc_pp_source"
+
+
+@dataclasses.dataclass
+class StageProgram:
+    """A stage's compiled graphs and the layout of their inputs and outputs."""
+
+    index: int
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    input_grad: Callable[..., Any]
+    weight_grad: Callable[..., Any]
+    w_inputs: tuple[int, ...]
+    num_input_grads: int
+    param_inputs: tuple[int, ...]
+    local_inputs: tuple[int, ...]
+    in_keys: tuple[str, ...]
+    out_keys: tuple[str, ...]
+    num_model_outputs: int
+    tangent_outputs: tuple[int, ...]
+    # F&B graphs of this stage's forward with another stage's backward, by backward stage.
+    overlapped: dict[int, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PipelineLayout:
+    """What every rank of the pipeline agrees on (computed identically everywhere)."""
+
+    schedule: Schedule
+    forward_schedule: Schedule
+    messages: tuple[tuple[str, ...], ...]
+    values: dict[str, ValueMeta]
+    batch_inputs: frozenset[int]
+    microbatch: int
+    holders: dict[int, tuple[int, ...]]
+    position: int
+    global_ranks: tuple[int, ...]
+    group_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTimings:
+    """Wall-clock (start, end) seconds of every action group of every rank in the last step."""
+
+    labels: tuple[tuple[str, ...], ...]
+    times: tuple[tuple[tuple[float, float], ...], ...]
+
+
+def action_groups(actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
+    """One rank's actions grouped: each run of p2p actions together, every other alone."""
+    groups: list[list[Action]] = []
+    for action in actions:
+        if action.is_p2p and groups and groups[-1][0].is_p2p:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+    return [tuple(g) for g in groups]
+
+
+def group_label(group: tuple[Action, ...]) -> str:
+    """A readable name of an action group for traces: ``F3@s1`` or ``SEND_F3@s1->r2 ...``."""
+    return " ".join(str(a) for a in group)
+
+
+class PipelineExecutor:
+    """Runs this rank's actions of a pipeline step; see the module docstring."""
+
+    def __init__(self, layout: PipelineLayout, stages: dict[int, StageProgram]) -> None:
+        self.layout = layout
+        self.stages = stages
+        self.last_stage = layout.schedule.num_stages - 1
+        self.timings: StepTimings | None = None
+        self.steps = 0
+        self.groups = {
+            train: [action_groups(rank_actions) for rank_actions in schedule.actions]
+            for train, schedule in ((True, layout.schedule), (False, layout.forward_schedule))
+        }
+
+    # -- one step -------------------------------------------------------------------------
+
+    def run(self, inputs: list[Any], train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the step on the model's flat inputs; return (mean loss, parameter gradients)."""
+        self._inputs = inputs
+        self._train = train
+        self._inbox_f: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._inbox_b: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._outbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        self._saved: dict[tuple[int, int], tuple[list[Any], dict[str, torch.Tensor]]] = {}
+        self._pending_w: dict[tuple[int, int], list[Any]] = {}
+        self._grads: dict[int, torch.Tensor] = {}
+        self._loss = torch.zeros((), dtype=torch.float64)
+        my_groups = self.groups[train][self.layout.position]
+        spans = []
+        with torch.no_grad():
+            for group in my_groups:
+                start = time.time()
+                if group[0].is_p2p:
+                    self._p2p(group)
+                else:
+                    self._compute(group[0])
+                spans.append((start, time.time()))
+            loss = self._finish(spans, train)
+            grads = self._grads
+            if train:
+                for stage in self.stages.values():
+                    for index in stage.param_inputs:
+                        if index not in grads:
+                            grads[index] = torch.zeros_like(inputs[index])
+                grads = exchange_and_sum(grads, self.layout.holders, self.layout.position,
+                                         self.layout.global_ranks)
+        self.steps += 1
+        return loss, grads
+
+    def _finish(self, spans: list[tuple[float, float]], train: bool) -> torch.Tensor:
+        """All-gather loss shares and timings over the pipeline group; return the mean loss."""
+        groups = self.groups[train]
+        width = 1 + 2 * max(len(g) for g in groups)
+        mine = torch.zeros(width, dtype=torch.float64)
+        mine[0] = self._loss
+        flat = torch.tensor([t for span in spans for t in span], dtype=torch.float64)
+        mine[1:1 + flat.numel()] = flat
+        group = resolve_group(self.layout.group_name)
+        if group is None:
+            rows = [mine]
+        else:
+            rows = [torch.empty_like(mine) for _ in range(group.size())]
+            dist.all_gather(rows, mine, group=group)
+        self.timings = StepTimings(
+            labels=tuple(tuple(group_label(g) for g in rank_groups) for rank_groups in groups),
+            times=tuple(tuple((float(row[1 + 2 * i]), float(row[2 + 2 * i]))
+                              for i in range(len(groups[r]))) for r, row in enumerate(rows)),
+        )
+        total = sum(float(row[0]) for row in rows)
+        return torch.tensor(total / self.layout.schedule.num_microbatches, dtype=torch.float32)
+
+    # -- compute --------------------------------------------------------------------------
+
+    def _compute(self, action: Action) -> None:
+        if action.kind is ActionKind.FB:
+            overlapped = self.stages[action.stage].overlapped.get(action.b_stage)
+            if overlapped is not None and self._train:
+                self._overlapped(action, overlapped)
+                return
+            for part in action.parts():
+                self._compute(part)
+            return
+        if action.kind is ActionKind.F:
+            self._forward(action.stage, action.microbatch)
+        elif not self._train:
+            return
+        elif action.kind is ActionKind.B:
+            self._backward(action.stage, action.microbatch, split=False)
+        elif action.kind is ActionKind.I:
+            self._backward(action.stage, action.microbatch, split=True)
+        elif action.kind is ActionKind.W:
+            self._weight(action.stage, action.microbatch)
+
+    def _local(self, index: int, microbatch: int) -> Any:
+        value = self._inputs[index]
+        if index in self.layout.batch_inputs:
+            size = self.layout.microbatch
+            return value[microbatch * size:(microbatch + 1) * size]
+        return value
+
+    def forward_args(self, stage: int, microbatch: int) -> list[Any]:
+        """The forward graph's arguments of ``stage`` for ``microbatch`` (consumes its inbox)."""
+        program = self.stages[stage]
+        received = self._inbox_f.pop((stage, microbatch), {})
+        self._received = received
+        return ([self._inputs[i] for i in program.param_inputs]
+                + [self._local(i, microbatch) for i in program.local_inputs]
+                + [received[k] for k in program.in_keys])
+
+    def forward_results(self, stage: int, microbatch: int, outs: tuple) -> None:
+        """Keep what the forward saved and hand its message on (locally or to the outbox)."""
+        program = self.stages[stage]
+        received = self._received
+        produced = dict(zip(program.out_keys, outs, strict=False))
+        done = len(program.out_keys) + program.num_model_outputs
+        for value in outs[len(program.out_keys):done]:
+            self._loss += value.detach().double().sum()
+        if self._train:
+            self._saved[(stage, microbatch)] = (list(outs[done:]), {})
+        if stage == self.last_stage:
+            return
+        message = {k: produced[k] if k in produced else received[k]
+                   for k in self.layout.messages[stage]}
+        self._deliver("F", stage + 1, microbatch, message)
+
+    def _forward(self, stage: int, microbatch: int) -> None:
+        outs = self.stages[stage].forward(*self.forward_args(stage, microbatch))
+        self.forward_results(stage, microbatch, tuple(outs))
+
+    def _deliver(self, kind: str, stage: int, microbatch: int,
+                 message: dict[str, torch.Tensor]) -> None:
+        """Give ``message`` to ``stage`` (forward, ``kind="F"``; backward, ``"B"``)."""
+        rank = self.layout.schedule.rank_of(stage, microbatch)
+        inbox = self._inbox_f if kind == "F" else self._inbox_b
+        if rank == self.layout.position:
+            inbox[(stage, microbatch)] = message
+        else:
+            self._outbox[(kind, stage, microbatch)] = list(message.values())
+
+    def backward_args(self, stage: int, microbatch: int) -> list[Any]:
+        """The backward graph's arguments: saved tensors then tangents."""
+        program = self.stages[stage]
+        saved, _ = self._saved.pop((stage, microbatch))
+        grads_in = self._inbox_b.get((stage, microbatch), {})
+        tangents = []
+        for i in program.tangent_outputs:
+            if i < len(program.out_keys):
+                tangents.append(grads_in[program.out_keys[i]])
+            else:
+                scale = 1.0 / self.layout.schedule.num_microbatches
+                tangents.append(torch.full((), scale, dtype=torch.float32))
+        return saved + tangents
+
+    def backward_results(self, stage: int, microbatch: int, grads: tuple) -> None:
+        """Accumulate parameter gradients; send the input gradients upstream."""
+        program = self.stages[stage]
+        n_params = len(program.param_inputs)
+        if grads is not None:
+            self._accumulate(program, grads[:n_params])
+        input_grads = grads[n_params + len(program.local_inputs):] if grads is not None else ()
+        self._send_input_grads(stage, microbatch, input_grads)
+
+    def _send_input_grads(self, stage: int, microbatch: int, input_grads: tuple) -> None:
+        program = self.stages[stage]
+        downstream = self._inbox_b.pop((stage, microbatch), {})
+        if stage == 0:
+            return
+        own = dict(zip(program.in_keys, input_grads, strict=False))
+        message = {}
+        for key in self.layout.messages[stage - 1]:
+            shape, dtype, requires_grad = self.layout.values[key]
+            if not requires_grad:
+                continue
+            parts = [g for g in (own.get(key), downstream.get(key)) if g is not None]
+            total = parts[0] if parts else torch.zeros(shape, dtype=dtype)
+            for part in parts[1:]:
+                total = total + part
+            message[key] = total
+        self._deliver("B", stage - 1, microbatch, message)
+
+    def _accumulate(self, program: StageProgram, grads: tuple) -> None:
+        for index, grad in zip(program.param_inputs, grads, strict=True):
+            if grad is None:
+                continue
+            if index in self._grads:
+                self._grads[index].add_(grad)
+            else:
+                self._grads[index] = grad.clone()
+
+    def _backward(self, stage: int, microbatch: int, split: bool) -> None:
+        program = self.stages[stage]
+        args = self.backward_args(stage, microbatch)
+        if not split:
+            self.backward_results(stage, microbatch, tuple(program.backward(*args)))
+            return
+        outs = tuple(program.input_grad(*args))
+        stash = list(outs[program.num_input_grads:])
+        self._pending_w[(stage, microbatch)] = stash + [args[j] for j in program.w_inputs]
+        inputs = outs[:program.num_input_grads]
+        self._send_input_grads(stage, microbatch, inputs[len(program.local_inputs):])
+
+    def _weight(self, stage: int, microbatch: int) -> None:
+        program = self.stages[stage]
+        grads = program.weight_grad(*self._pending_w.pop((stage, microbatch)))
+        self._accumulate(program, tuple(grads))
+
+    def _overlapped(self, action: Action, graph: Callable[..., Any]) -> None:
+        f_args = self.forward_args(action.stage, action.microbatch)
+        b_args = self.backward_args(action.b_stage, action.b_microbatch)
+        outs = tuple(graph(*f_args, *b_args))
+        n_fwd = graph.num_forward_outputs
+        self.forward_results(action.stage, action.microbatch, outs[:n_fwd])
+        self.backward_results(action.b_stage, action.b_microbatch, outs[n_fwd:])
+
+    # -- p2p ------------------------------------------------------------------------------
+
+    def _p2p(self, group: tuple[Action, ...]) -> None:
+        transfers: list[Transfer] = []
+        arrivals: list[tuple[dict, tuple[int, int], list[str], list[torch.Tensor]]] = []
+        ranks = self.layout.global_ranks
+        for action in group:
+            if not self._train and action.kind in (ActionKind.SEND_B, ActionKind.RECV_B):
+                continue
+            peer = ranks[action.peer]
+            if action.kind is ActionKind.SEND_F:
+                tensors = self._outbox.pop(("F", action.stage + 1, action.microbatch))
+            elif action.kind is ActionKind.SEND_B:
+                tensors = self._outbox.pop(("B", action.stage - 1, action.microbatch))
+            else:
+                forward = action.kind is ActionKind.RECV_F
+                keys = list(self.layout.messages[action.stage - 1] if forward
+                            else self._grad_keys(action.stage))
+                tensors = [torch.empty(self.layout.values[k][0], dtype=self.layout.values[k][1])
+                           for k in keys]
+                inbox = self._inbox_f if forward else self._inbox_b
+                arrivals.append((inbox, (action.stage, action.microbatch), keys, tensors))
+            send = action.kind in (ActionKind.SEND_F, ActionKind.SEND_B)
+            transfers.extend(Transfer(send, t.contiguous() if send else t, peer)
+                             for t in tensors)
+        run_transfers(transfers)
+        for inbox, key, names, tensors in arrivals:
+            inbox[key] = dict(zip(names, tensors, strict=True))
+
+    def _grad_keys(self, stage: int) -> list[str]:
+        """Keys of the backward message that ``stage`` receives (gradients of its outputs)."""
+        return [k for k in self.layout.messages[stage] if self.layout.values[k][2]]
