@@ -49,10 +49,11 @@ def interleave(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
     root = torch.nn.Module()
     envs: list[dict[torch.fx.Node, torch.fx.Node]] = [{}, {}]
     sources = (forward, backward)
-    for env, source in zip(envs, sources, strict=True):
+    for prefix, env, source in zip(("f", "b"), envs, sources, strict=True):
         for node in source.graph.nodes:
             if node.op == "placeholder":
-                env[node] = graph.node_copy(node, lambda n, env=env: env[n])
+                env[node] = graph.placeholder(f"{prefix}_{node.name}")
+                env[node].meta = dict(node.meta)
     bodies = [[n for n in s.graph.nodes if n.op not in ("placeholder", "output")]
               for s in sources]
     totals = [sum(_work(n) for n in body) or 1.0 for body in bodies]
