@@ -116,7 +116,7 @@ def build_plan(session: CompileSession) -> Plan:
         options=tuple((k, str(v)) for k, v in config.to_dict().items()),
         graph_hash=graph_hash,
     )
-    return Plan(
+    plan = Plan(
         meta=meta,
         graphs=graphs,
         stages=(stage,),
@@ -126,3 +126,9 @@ def build_plan(session: CompileSession) -> Plan:
         memory=(memory,),
         passes=tuple(p for r in session.records for p in r.passes),
     )
+    pipeline = getattr(session, "pipeline", None)
+    if pipeline is not None:  # pp > 1: stages, schedule grid and measured step
+        from zeroc.pipeline_plan import pipeline_plan
+
+        plan = pipeline_plan(plan, pipeline)
+    return plan

@@ -133,6 +133,7 @@ class PipelineRecord:
     layout: ZeroLayout
     executor: PipelineExecutor
     stage_params: dict[int, int]
+    stage_param_bytes: dict[int, int]
 
 
 def compile_pipeline(
@@ -187,6 +188,8 @@ def _compile_pipeline(
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
     record.device = str(device)
+    record.zero = layout.zero
+    record.zero_group = layout.dp_group_name
     programs = {s: _compile_stage(split, s, example_inputs, batch_inputs, batch // microbatches,
                                   config, record, names, device) for s in mine}
     if any(a.kind is ActionKind.FB for a in schedule.actions[position]):
@@ -215,10 +218,22 @@ def _compile_pipeline(
         ),
         programs,
     )
+    # Full (unsharded) sizes: a ZeRO shard's numel is its share, not the parameter's.
+    records = getattr(layout, "params", ())
+    full_numel = {r.param_name: r.numel for r in records}
+    layout_numel, layout_bytes = {}, {}
+    for index in params:
+        value = example_inputs[index]
+        record_name = getattr(getattr(value, "_zeroc_param", None), "param_name", None)
+        numel = full_numel.get(record_name, value.numel())
+        layout_numel[index] = numel
+        layout_bytes[index] = numel * value.element_size()
     session.pipeline = PipelineRecord(  # type: ignore[attr-defined]
         split=split, schedule=schedule, layout=layout, executor=executor,
-        stage_params={s.index: sum(example_inputs[i].numel() for i in s.param_inputs)
-                      for s in split.stages})
+        stage_params={s.index: sum(layout_numel[i] for i in s.param_inputs)
+                      for s in split.stages},
+        stage_param_bytes={s.index: sum(layout_bytes[i] for i in s.param_inputs)
+                           for s in split.stages})
     grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad))
     return PipelinedStep(executor, grad_inputs)
 

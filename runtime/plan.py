@@ -22,6 +22,7 @@ from zeroc.runtime.records import (
     MemoryEstimate,
     ParamInfo,
     PassInfo,
+    PipelineInfo,
     StageInfo,
 )
 
@@ -57,6 +58,7 @@ class Plan:
     collectives: tuple[CollectiveInfo, ...]
     memory: tuple[MemoryEstimate, ...]
     passes: tuple[PassInfo, ...]
+    pipeline: PipelineInfo | None = None
 
     def to_json(self, indent: int | None = None) -> str:
         """The plan as JSON text."""
@@ -81,6 +83,19 @@ class Plan:
     def passes_for(self, graph: str) -> tuple[PassInfo, ...]:
         """The pass records of one graph, in the order the passes ran."""
         return tuple(p for p in self.passes if p.graph == graph)
+
+    def chrome_trace(self, path: str) -> str:
+        """Write the last measured pipeline step as a Chrome/Perfetto trace; return ``path``.
+
+        One track per rank, one slice per action group. Raises ``ValueError`` when the plan
+        has no measured pipeline step (not pipelined, or not run yet).
+        """
+        from zeroc.runtime.chrome_trace import write_chrome_trace
+
+        if self.pipeline is None:
+            raise ValueError("plan.chrome_trace: this plan has no pipeline (compile a model "
+                             "parallelized with pp > 1 and run one step first)")
+        return write_chrome_trace(self.pipeline, path)
 
     def __str__(self) -> str:
         from zeroc.runtime.plan_text import render_plan

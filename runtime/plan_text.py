@@ -8,6 +8,7 @@ from tabulate import tabulate
 
 if TYPE_CHECKING:
     from zeroc.runtime.plan import Plan
+    from zeroc.runtime.records import PipelineInfo
 
 MAX_ROWS = 16
 
@@ -98,6 +99,9 @@ def render_plan(plan: Plan) -> str:
         "none (single device)",
     ))
     out.append("")
+    if plan.pipeline is not None:
+        out.append(render_pipeline(plan.pipeline))
+        out.append("")
     out.append(_section(
         "estimated memory per rank",
         [[m.rank, human_bytes(m.params), human_bytes(m.grads), human_bytes(m.optimizer),
@@ -119,3 +123,18 @@ def render_plan(plan: Plan) -> str:
 def _ops(ops: tuple[str, ...]) -> str:
     text = " ".join(op.rsplit(".", 1)[0].replace("aten.", "") for op in ops)
     return text if len(text) <= 48 else text[:45] + "..."
+
+
+def render_pipeline(info: PipelineInfo) -> str:
+    """The schedule grid (ranks by time) and, per rank, bubble ratio and peak activations."""
+    rows = []
+    for rank in range(info.num_ranks):
+        stages = ",".join(str(s) for s, ranks in enumerate(info.placement) if rank in ranks)
+        measured = (f"{100 * info.measured_bubble_ratios[rank]:.1f}%"
+                    if info.measured_bubble_ratios else "-")
+        rows.append([rank, stages, f"{100 * info.bubble_ratios[rank]:.1f}%", measured,
+                     info.peak_activations[rank], human_bytes(info.peak_activation_bytes[rank])])
+    table = tabulate(rows, headers=["rank", "stages", "bubble (model)", "bubble (measured)",
+                                    "peak activations (micro-batches)", "peak activation memory"])
+    return (f"pipeline: schedule {info.schedule}, {info.num_ranks} ranks, {info.num_stages} "
+            f"stages, {info.num_microbatches} micro-batches\n{info.grid}\n\n{table}")

@@ -116,3 +116,29 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineInfo:
+    """A pipelined model's schedule, as planned and as it last ran.
+
+    ``actions[r]`` lists rank ``r``'s compute actions (``str(Action)``); ``grid`` is the
+    schedule drawn from the cost model's simulation; ``bubble_ratios`` and
+    ``peak_activations`` (micro-batches held) / ``peak_activation_bytes`` are per rank.
+    ``event_labels``/``event_times`` are the last measured step: per rank, every action
+    group's label and its (start, end) wall-clock seconds (empty before the first step).
+    """
+
+    schedule: str
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[tuple[int, ...], ...]
+    actions: tuple[tuple[str, ...], ...]
+    grid: str
+    bubble_ratios: tuple[float, ...]
+    measured_bubble_ratios: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+    peak_activation_bytes: tuple[int, ...]
+    event_labels: tuple[tuple[str, ...], ...]
+    event_times: tuple[tuple[tuple[float, float], ...], ...]

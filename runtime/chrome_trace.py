@@ -1,0 +1,54 @@
+"""Chrome/Perfetto trace of a measured pipeline step: one track per rank.
+
+The trace is the JSON "Trace Event Format" that ``chrome://tracing`` and ui.perfetto.dev read:
+every action group of every rank becomes a complete event (``"ph": "X"``) on the track
+(``tid``) of its rank, with times in microseconds from the earliest start of the step. Compute
+actions are named by their action (``F3@s1``, ``F4@s0&B0@s3``), p2p groups by their transfers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from zeroc.runtime.records import PipelineInfo
+
+
+def _category(label: str) -> str:
+    if "&" in label:
+        return "F&B"
+    head = label.split("@", 1)[0].rstrip("0123456789")
+    return "p2p" if head.startswith(("SEND", "RECV")) else head
+
+
+def trace_events(info: PipelineInfo) -> list[dict[str, Any]]:
+    """The trace events of ``info``'s last measured step (empty when it never ran)."""
+    starts = [t[0] for rank in info.event_times for t in rank]
+    if not starts:
+        return []
+    origin = min(starts)
+    events: list[dict[str, Any]] = []
+    for rank, (labels, times) in enumerate(zip(info.event_labels, info.event_times,
+                                               strict=True)):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        for label, (start, end) in zip(labels, times, strict=True):
+            events.append({
+                "name": label, "cat": _category(label), "ph": "X", "pid": 0, "tid": rank,
+                "ts": round((start - origin) * 1e6, 3),
+                "dur": round(max(end - start, 0.0) * 1e6, 3),
+            })
+    return events
+
+
+def write_chrome_trace(info: PipelineInfo, path: str) -> str:
+    """Write ``info``'s measured step to ``path`` as Chrome trace JSON; return ``path``."""
+    events = trace_events(info)
+    if not events:
+        raise ValueError("chrome_trace: the pipeline has not run a step yet; call the compiled "
+                         "model once, then explain it again")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                   "otherData": {"schedule": info.schedule,
+                                 "microbatches": info.num_microbatches}}, handle)
+    return path
