@@ -8,6 +8,7 @@ dropout. The reference is always the same model run eagerly.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +22,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 RTOL = 1e-5
 ATOL = 1e-6
+# One block is enough to exercise every op of the GPT; compile time grows with depth.
+ONE_BLOCK_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=32)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -119,7 +122,7 @@ def test_new_batch_sizes_recompile_and_match_eager(compile_backend: str) -> None
 @pytest.mark.timeout(120)
 def test_new_sequence_lengths_match_eager(compile_backend: str) -> None:
     """GPT with sequence lengths 16, 8, 12 (positions sliced by length) matches eager."""
-    eager = GPT(GPTConfig.tiny(), seed=4)
+    eager = GPT(ONE_BLOCK_GPT, seed=4)
     module = copy.deepcopy(eager)
     compiled = torch.compile(module, backend=compile_backend)
     for step, seq_len in enumerate((16, 8, 12)):
@@ -169,7 +172,7 @@ def test_grad_disabled_modes_match_eager(
     grad_mode: Callable[[], object], compile_backend: str
 ) -> None:
     """Under no_grad / inference_mode: same logits and loss, nothing requires grad, no grads."""
-    eager = GPT(GPTConfig.tiny(), seed=6)
+    eager = GPT(ONE_BLOCK_GPT, seed=6)
     module = copy.deepcopy(eager)
     compiled = torch.compile(module, backend=compile_backend)
     inputs, targets = eager.example_batch(batch_size=2, seed=0)
@@ -252,7 +255,7 @@ def test_dropout_train_drops_and_eval_is_identity(compile_backend: str) -> None:
 @pytest.mark.timeout(120)
 def test_gpt_with_dropout_in_eval_matches_eager(compile_backend: str) -> None:
     """A GPT configured with dropout gives eager's logits in eval mode (attention dropout off)."""
-    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32, dropout=0.2)
+    config = dataclasses.replace(ONE_BLOCK_GPT, dropout=0.2)
     eager = GPT(config, seed=8).eval()
     module = copy.deepcopy(eager)
     compiled = torch.compile(module, backend=compile_backend)
