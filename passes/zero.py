@@ -232,8 +232,28 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
     return len(buckets)
 
 
+def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
+    """Stage 0 (or a group of one) keeps whole flat parameters: unshard is a view, no copy."""
+    build = _Builder(gm)
+    lowered = 0
+    for mark in [n for n in gm.graph.nodes if n.target is UNSHARD]:
+        if mark.args[4] > 0 and group_size(mark.args[3]) > 1:
+            continue
+        shard, shape, numel = mark.args[0], list(mark.args[1]), mark.args[2]
+        with gm.graph.inserting_before(mark):
+            flat = shard
+            if shard.meta["val"].numel() != numel:
+                flat = build.call(aten.slice.Tensor, shard, 0, 0, numel)
+            param = build.call(aten.view.default, flat, shape)
+        mark.replace_all_uses_with(param)
+        gm.graph.erase_node(mark)
+        lowered += 1
+    return lowered
+
+
 def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace ZeRO markers with bucketed, prefetched functional collectives."""
+    views = _lower_whole_unshards(gm)
     for order, node in enumerate(gm.graph.nodes):
         node.meta["_zeroc_order"] = order
     cap = max(1, int(ctx.config.bucket_mb * 2**20))
@@ -244,5 +264,6 @@ def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in gm.graph.nodes:
         node.meta.pop("_zeroc_order", None)
         node.meta.pop("_zeroc_first_use", None)
-    return PassResult(gm, bool(gathers or reduces),
-                      {"gather_buckets": gathers, "reduce_buckets": reduces})
+    return PassResult(gm, bool(gathers or reduces or views),
+                      {"gather_buckets": gathers, "reduce_buckets": reduces,
+                       "whole_params": views})

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zeroc.runtime.mesh import resolve_group
 
@@ -46,6 +47,12 @@ def check_same_graph(name: str, text: str, group_name: str) -> str:
     group = resolve_group(group_name)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return digest
+    # Compilation runs under a fake-tensor mode; the exchange needs real tensors.
+    with unset_fake_temporarily():
+        return _compare(name, text, digest, group)
+
+
+def _compare(name: str, text: str, digest: str, group: dist.ProcessGroup) -> str:
     digests: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) == 1:

@@ -274,10 +274,11 @@ def test_layout_and_parameter_names_single_rank() -> None:
     shard = model.tok.parametrizations.weight.original
     assert shard is model.head.parametrizations.weight.original
     assert shard._zeroc_layout is layout and shard._zeroc_param is tok
+    # Stage 0 keeps the whole flat parameter behind the same parametrization.
     plain = parallelize(make_model(), zero=0)
-    assert [n for n, _ in plain.named_parameters()] == [
-        n for n, _ in make_model().named_parameters()
-    ]
+    whole = plain.tok.parametrizations.weight.original
+    assert whole.shape == (13 * 6,) and plain.tok.weight.shape == (13, 6)
+    assert list(plain.state_dict()) == list(make_model().state_dict())
 
 
 @pytest.mark.parametrize("zero", [0, 3])

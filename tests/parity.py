@@ -1,0 +1,51 @@
+"""Shared parity checks: compiled or distributed training against eager, fp32 tolerance.
+
+Used by every test that compares a zeroc run with single-process eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RTOL = 1e-5
+ATOL = 1e-6
+STEPS = 3
+BATCH_SIZE = 4
+# The key-projection bias has an exactly-zero true gradient (softmax is shift invariant), so its
+# computed gradient is rounding noise of ~1e-10; Adam's default eps=1e-8 would scale that noise
+# into updates of ~lr/100 that differ in sign between any two correct implementations.
+ADAM = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}
+
+
+def assert_tensors_match(
+    eager: dict[str, torch.Tensor | None],
+    compiled: dict[str, torch.Tensor | None],
+    what: str,
+    magnitude_scaled: bool = True,
+) -> None:
+    """Every named tensor of ``compiled`` equals the one of ``eager`` within the fp32 tolerance.
+
+    Elements are compared with ``rtol=1e-5`` and an absolute tolerance of 1e-5 of the tensor's
+    largest magnitude (at least 1): elements near zero next to large ones may differ by
+    reordered fp32 sums (and Adam's per-element normalisation of them), nothing more. A wrong
+    gradient, a skipped update or a stale buffer is off by orders of magnitude more. With
+    ``magnitude_scaled=False`` (buffers: BatchNorm statistics are plain momentum averages)
+    the absolute tolerance is 1e-6.
+    """
+    assert eager.keys() == compiled.keys(), f"{what}: names differ"
+    for name, expected in eager.items():
+        actual = compiled[name]
+        if expected is None or actual is None:
+            assert expected is None and actual is None, f"{what} {name}: one side is None"
+            continue
+        if magnitude_scaled and expected.is_floating_point():
+            atol = RTOL * max(1.0, expected.abs().max().item())
+        else:
+            atol = ATOL
+        torch.testing.assert_close(
+            actual,
+            expected,
+            rtol=RTOL,
+            atol=atol,
+            msg=lambda m, n=name: f"{what} {n}: {m}",
+        )
