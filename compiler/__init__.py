@@ -1,19 +1,24 @@
 """zeroc: a torch.compile backend for ZeRO-sharded, pipelined training with a readable plan.
 
-Public names are imported lazily so that ``import zeroc.runtime`` (which runs this file first)
-stays light and free of import cycles.
+``parallelize``, ``full_state_dict`` and ``load_full_state_dict`` are imported at once: the
+function ``parallelize`` shares its name with its submodule, and importing the submodule later
+would otherwise replace the function on this package. The rest is imported lazily so that
+``import zeroc.runtime`` (which runs this file first) stays light.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zeroc.parallelize import parallelize
+from zeroc.state_dict import full_state_dict, load_full_state_dict
+
 if TYPE_CHECKING:
     from zeroc.config import Config
     from zeroc.explain import explain
     from zeroc.runtime.plan import Plan
 
-__all__ = ["Config", "Plan", "explain"]
+__all__ = ["Config", "Plan", "explain", "full_state_dict", "load_full_state_dict", "parallelize"]
 
 _LAZY = {
     "Config": ("zeroc.config", "Config"),
