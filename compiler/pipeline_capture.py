@@ -49,7 +49,7 @@ from zeroc.runtime.pipeline_executor import (
     PipelineLayout,
     StageProgram,
 )
-from zeroc.runtime.records import PassInfo
+from zeroc.runtime.records import GraphInfo, PassInfo
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
 
@@ -263,7 +263,8 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
                    device: torch.device) -> StageProgram:
     spec = split.stages[index]
     args = _example_args(split, index, inputs, batch_inputs, microbatch)
-    joint = aot_export_joint_simple(spec.gm, args, trace_joint=True)
+    with torch.enable_grad():  # a no_grad recompile still builds the training graphs
+        joint = aot_export_joint_simple(spec.gm, args, trace_joint=True)
     stage_name = f"{record.prefix}.s{index}"
     primal_names = [names[i] for i in (*spec.param_inputs, *spec.local_inputs)] + list(
         spec.in_keys)
@@ -278,7 +279,7 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
         record.kernels.extend(ctx.kernels)
         record.collectives.extend(ctx.collectives)
         if kind != "joint":
-            record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
+            record.graphs.append(_graph_info(graph, name, kind))
         return graph
 
     joint = passes(joint, "joint", JOINT_PASSES)
@@ -293,7 +294,7 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
                               for n in output.args[0][num_fwd:] if isinstance(n, torch.fx.Node))
     split_bw = split_weight_grad(bw, len(spec.param_inputs))
     for kind, graph in (("input_grad", split_bw.input_grad), ("weight_grad", split_bw.weight_grad)):
-        record.graphs.append(graph_info(graph, f"{stage_name}.{kind}", kind, graph_text(graph)))
+        record.graphs.append(_graph_info(graph, f"{stage_name}.{kind}", kind))
     tangent_outputs = tuple(i for i, flag in enumerate(spec.output_requires_grad) if flag)
     tangents = sum(1 for n in joint.graph.nodes
                    if n.op == "placeholder" and n.name.startswith("tangents"))
@@ -307,6 +308,16 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
         local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
         num_model_outputs=spec.num_model_outputs, tangent_outputs=tangent_outputs,
     )
+
+
+def _graph_info(graph: torch.fx.GraphModule, name: str, kind: str) -> GraphInfo:
+    """``graph_info`` with plain ints: fake values traced under Dynamo's shape environment
+    can make a FLOP formula return a symbolic number."""
+    info = graph_info(graph, name, kind, graph_text(graph))
+    costs = tuple(dataclasses.replace(c, flops=int(c.flops), bytes=int(c.bytes))
+                  for c in info.node_costs)
+    return dataclasses.replace(info, flops=int(info.flops), bytes=int(info.bytes),
+                               peak_bytes=int(info.peak_bytes), node_costs=costs)
 
 
 def _pass_infos(records: list[PassRecord]) -> list[PassInfo]:

@@ -1,0 +1,151 @@
+"""Pipelined training on gloo ranks against single-process eager on the global batch.
+
+One multi-rank job per world layout trains every (model, schedule) case for three AdamW steps
+with ``zeroc.parallelize(model, zero, pp)`` and ``torch.compile(backend="zeroc",
+options={"schedule": ...})`` and returns the losses and ``zeroc.full_state_dict``. Each must
+match eager within fp32 tolerance (see ``test_zoo_parity.assert_tensors_match``). The pp=2 job
+also checks ``torch.no_grad()`` forwards, ``(0.5 * loss).backward()``, the plan's grid and the
+Chrome trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models.gpt import GPT, GPTConfig
+from models.llama import Llama, LlamaConfig
+from test_zoo_parity import ADAM, assert_tensors_match
+
+STEPS, BATCH = 3, 8
+SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+
+
+def make(kind: str, layers: int) -> torch.nn.Module:
+    if kind == "gpt":
+        return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, d_model=32))
+    return Llama(LlamaConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, d_model=32,
+                             ffn_hidden=64))
+
+
+def eager_reference(kind: str, layers: int):
+    model = make(kind, layers)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+    x, y = model.example_batch(BATCH)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        final = model(x, y).item()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, final
+
+
+def train_cases(rank: int, world: int, pp: int, zero: int, cases, extras: bool):
+    """Rank body: train each (kind, layers, schedule) case; return losses and rank-0 dicts."""
+    import zeroc
+    from zeroc.parallelize import parallelize
+    from zeroc.state_dict import full_state_dict
+
+    dp = world // pp
+    results = []
+    for kind, layers, schedule in cases:
+        torch._dynamo.reset()
+        model = parallelize(make(kind, layers), zero=zero, pp=pp)
+        compiled = torch.compile(model, backend="zeroc", options={"schedule": schedule})
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+        x, y = model.example_batch(BATCH)
+        rows = BATCH // dp
+        lo, hi = rank % dp * rows, (rank % dp + 1) * rows
+        x, y = x[lo:hi], y[lo:hi]
+        losses = []
+        for _ in range(STEPS):
+            loss = compiled(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out = {"losses": losses, "state": full_state_dict(model)}
+        if extras:
+            plan = zeroc.explain(compiled)
+            out["plan"] = str(plan)
+            path = os.path.join(tempfile.mkdtemp(), "trace.json")
+            with open(plan.chrome_trace(path)) as handle:
+                out["trace"] = json.load(handle)
+            with torch.no_grad():
+                out["no_grad_loss"] = compiled(x, y).item()
+            half = compiled(x, y)
+            (0.5 * half).backward()
+            out["half_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
+                                 if p.grad is not None}
+            optimizer.zero_grad()
+            compiled(x, y).backward()
+            out["full_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
+                                 if p.grad is not None}
+        results.append(out)
+    return results
+
+
+def check(cases, results, world: int, pp: int) -> None:
+    dp = world // pp
+    for case_index, (kind, layers, schedule) in enumerate(cases):
+        losses, state, _ = eager_reference(kind, layers)
+        per_rank = [r[case_index] for r in results]
+        for step in range(STEPS):
+            # Each data-parallel replica returns its own batch's loss; their mean is global.
+            mean = sum(per_rank[d]["losses"][step] for d in range(dp)) / dp
+            assert mean == pytest.approx(losses[step], rel=1e-5), (kind, schedule, step)
+        for pipeline_rank in range(pp):
+            for d in range(dp):
+                assert per_rank[pipeline_rank * dp + d]["losses"] == per_rank[d]["losses"]
+        assert_tensors_match(state, per_rank[0]["state"], f"{kind} {schedule} parameters")
+
+
+CASES_PP2 = [(kind, 4, schedule) for kind in ("gpt", "llama") for schedule in SCHEDULES]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp2_every_schedule_gpt_and_llama() -> None:
+    results = run_ranks(train_cases, 2, 2, 0, CASES_PP2, False, timeout=540)
+    check(CASES_PP2, results, 2, 2)
+
+
+CASES_PP4 = [("gpt", 8, schedule) for schedule in SCHEDULES] + [
+    ("llama", 8, "1f1b"), ("llama", 8, "dualpipev")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pp4_every_schedule() -> None:
+    results = run_ranks(train_cases, 4, 4, 0, CASES_PP4, False, timeout=840)
+    check(CASES_PP4, results, 4, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pp2_dp2_zero3_dualpipev_plan_and_trace() -> None:
+    cases = [("gpt", 4, "dualpipev")]
+    results = run_ranks(train_cases, 4, 2, 3, cases, True, timeout=540)
+    check(cases, results, 4, 2)
+    _, _, final = eager_reference("gpt", 4)
+    first = results[0][0]
+    mean = sum(results[d][0]["no_grad_loss"] for d in range(2)) / 2
+    assert mean == pytest.approx(final, rel=1e-5)
+    for name, grad in first["full_grads"].items():
+        torch.testing.assert_close(first["half_grads"][name], 0.5 * grad)
+    text = first["plan"]
+    assert "mesh pp=2 x dp=2, zero 3, schedule dualpipev" in text
+    assert "rank  0 | F0|F1|F2|f0|" in text and "F3&b1" in text
+    assert "bubble (measured)" in text and "peak activation memory" in text
+    tracks = {e["tid"] for e in first["trace"]["traceEvents"] if e["ph"] == "X"}
+    assert tracks == {0, 1}
+    names = {e["name"] for e in first["trace"]["traceEvents"] if e["ph"] == "X"}
+    assert "F0@s0" in names and any("&" in n for n in names)
