@@ -15,6 +15,7 @@ from zeroc.capture import compile_dynamo_graph
 from zeroc.config import Config
 from zeroc.errors import OptionError, passthrough
 from zeroc.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
+from zeroc.runtime.consistency import PlanMismatchError
 from zeroc.session import find_compile_wrapper, session_for
 
 
@@ -36,5 +37,5 @@ def zeroc_backend(
         if layout is not None:
             return compile_pipeline(gm, example_inputs, config, session, layout)
         return compile_dynamo_graph(gm, example_inputs, config, session)
-    except (OptionError, PipelineError) as error:
+    except (OptionError, PipelineError, PlanMismatchError) as error:
         raise passthrough(error) from None

@@ -88,9 +88,14 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
+    may_exit: frozenset[int] = frozenset(),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    Ranks in ``may_exit`` are allowed to end without a result (their entry is ``None``): the
+    others are awaited, e.g. to see how they react to a rank that died.
+    """
     if world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not allowed: it must be >= 1")
     context = _context()
@@ -117,14 +122,15 @@ def run_ranks(
         else:
             os.environ["OMP_NUM_THREADS"] = saved_threads
     try:
-        return _collect(processes, results, world_size, timeout)
+        return _collect(processes, results, world_size, timeout, may_exit)
     finally:
         _stop(processes)
         del store
 
 
 def _collect(
-    processes: list, results: multiprocessing.Queue, world_size: int, timeout: float
+    processes: list, results: multiprocessing.Queue, world_size: int, timeout: float,
+    may_exit: frozenset[int],
 ) -> list[Any]:
     values: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
@@ -141,6 +147,9 @@ def _collect(
         try:
             rank, ok, value = results.get(timeout=min(0.2, deadline - now))
         except queue.Empty:
+            for r in may_exit:
+                if r not in values and not processes[r].is_alive():
+                    values[r] = None
             dead = [
                 r for r, p in enumerate(processes)
                 if r not in values and not p.is_alive() and p.exitcode not in (0, None)

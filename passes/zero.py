@@ -161,6 +161,32 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
     return len(buckets)
 
 
+def _merge_tied_reductions(gm: torch.fx.GraphModule) -> int:
+    """``reduce_grad(a) + reduce_grad(b)`` -> ``reduce_grad(a + b)``: one reduction per tied
+    parameter (an embedding shared with the head) instead of one per use. Exact: the
+    reduction is linear."""
+    build = _Builder(gm)
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.add.Tensor or len(node.args) != 2:
+            continue
+        left, right = node.args
+        if not all(isinstance(x, torch.fx.Node) and x.target is REDUCE_GRAD
+                   and len(x.users) == 1 for x in (left, right)):
+            continue
+        if left.args[1:] != right.args[1:] or (
+                left.args[0].meta["val"].shape != right.args[0].meta["val"].shape):
+            continue
+        with gm.graph.inserting_before(node):
+            total = build.call(aten.add.Tensor, left.args[0], right.args[0])
+            reduced = build.call(REDUCE_GRAD, total, *left.args[1:])
+        node.replace_all_uses_with(reduced)
+        for dead in (node, left, right):
+            gm.graph.erase_node(dead)
+        merged += 1
+    return merged
+
+
 def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) -> int:
     marks = [n for n in gm.graph.nodes if n.target is REDUCE_GRAD and group_size(n.args[2]) > 1]
     if not marks:
@@ -254,6 +280,7 @@ def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
 def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace ZeRO markers with bucketed, prefetched functional collectives."""
     views = _lower_whole_unshards(gm)
+    tied = _merge_tied_reductions(gm)
     for order, node in enumerate(gm.graph.nodes):
         node.meta["_zeroc_order"] = order
     cap = max(1, int(ctx.config.bucket_mb * 2**20))
@@ -264,6 +291,6 @@ def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in gm.graph.nodes:
         node.meta.pop("_zeroc_order", None)
         node.meta.pop("_zeroc_first_use", None)
-    return PassResult(gm, bool(gathers or reduces or views),
+    return PassResult(gm, bool(gathers or reduces or views or tied),
                       {"gather_buckets": gathers, "reduce_buckets": reduces,
-                       "whole_params": views})
+                       "whole_params": views, "tied_merged": tied})

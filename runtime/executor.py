@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 import torch.fx
+
+from zeroc.runtime.collectives import ISSUE_OPS
+from zeroc.runtime.errors import CollectiveError
 
 
 class GraphExecutor:
@@ -22,12 +26,25 @@ class GraphExecutor:
         self.gm = gm
         self.name = name
         self.calls = 0
+        self.communicates = any(
+            n.op == "call_function" and n.target in ISSUE_OPS for n in gm.graph.nodes)
 
     def __call__(self, args: list[Any]) -> Any:
         self.calls += 1
         inputs = list(args)
         args.clear()
-        return self.gm(*inputs)
+        if not self.communicates:
+            return self.gm(*inputs)
+        try:
+            return self.gm(*inputs)
+        except RuntimeError as error:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise CollectiveError(
+                f"zeroc: rank {rank} failed in {self.name}, a graph with collectives: "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__}. "
+                "Another rank probably died, hung past the process group's timeout, or ran "
+                "a different graph; look at the other ranks' logs."
+            ) from error
 
     def __repr__(self) -> str:
         return f"GraphExecutor({self.name}, calls={self.calls})"

@@ -1,0 +1,68 @@
+"""Failures across ranks are loud and bounded: diverging plans and a rank that dies mid-step."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models.gpt import GPT, GPTConfig
+
+
+def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 64, (2, 17), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def diverging_options(rank: int, world: int) -> str:
+    """Rank 1 compiles with other bucketing, so its graphs differ from rank 0's."""
+    import zeroc
+
+    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=1), zero=3)
+    options = {"bucket_mb": 0.01 if rank == 0 else 1000.0}
+    compiled = torch.compile(model, backend="zeroc", options=options)
+    try:
+        compiled(*_batch(rank))
+    except Exception as error:  # the test inspects what every rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def dies_mid_step(rank: int, world: int) -> tuple[str, float]:
+    """Rank 1 exits after its forward; rank 0's backward must fail fast, not hang."""
+    import zeroc
+
+    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=1), zero=3)
+    compiled = torch.compile(model, backend="zeroc")
+    compiled(*_batch(rank)).backward()  # one full step: everything compiled, ranks in step
+    loss = compiled(*_batch(rank))
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        loss.backward()
+    except Exception as error:  # the test inspects the error
+        return f"{type(error).__name__}: {error}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_different_plans_all_raise_naming_the_difference() -> None:
+    results = run_ranks(diverging_options, 2, timeout=240)
+    for text in results:
+        assert text.startswith("PlanMismatchError"), text
+        assert "compiled different plans for g0.forward" in text
+        assert "first difference" in text and "line" in text
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_mid_step_stops_the_others_with_a_clear_error() -> None:
+    results = run_ranks(dies_mid_step, 2, timeout=240, may_exit=frozenset({1}))
+    assert results[1] is None
+    text, seconds = results[0]
+    assert text.startswith("CollectiveError: zeroc: rank 0 failed in g0.backward"), text
+    assert "Another rank probably died" in text
+    assert seconds < 60
