@@ -3,6 +3,12 @@
 The demo trains the GPT of the model zoo (``tests/models`` of the source checkout) on random
 tokens, step by step, next to an eager copy of the same model, and prints both losses so the
 parity is visible, then the plan zeroc compiled.
+
+``--nproc N`` starts N gloo ranks on this machine; ``--zero`` and ``--pp`` go to
+``zeroc.parallelize``, ``--schedule``/``--microbatches`` to the compile options, e.g.
+``python -m zeroc demo --nproc 4 --pp 2 --schedule dualpipev --zero 3`` prints the loss per
+step (the mean over data-parallel replicas, next to eager on the global batch) and the plan
+with the schedule grid.
 """
 
 from __future__ import annotations
@@ -15,6 +21,11 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+
+# The pipeline schedules (zeroc.config.SCHEDULES); the demo takes the same names.
+SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+_HOST = "127.0.0.1"
 
 
 def _zoo_path() -> str:
@@ -37,47 +48,105 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=128, help="model width (default 128)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="gloo ranks on this machine (default 1: no torch.distributed)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="ZeRO stage for zeroc.parallelize (default: 3 when --nproc > 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (default 1)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                        help="pipeline schedule with --pp > 1 (default 1f1b)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches per step with --pp > 1 (default: zeroc's choice)")
     args = parser.parse_args(argv)
-    for name in ("steps", "batch", "seq", "layers", "width"):
+    for name in ("steps", "batch", "seq", "layers", "width", "nproc", "pp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.nproc % args.pp:
+        parser.error(f"--pp {args.pp} must divide --nproc {args.nproc}")
+    if args.batch % (args.nproc // args.pp):
+        parser.error(f"--batch {args.batch} must be a multiple of the data-parallel size "
+                     f"{args.nproc // args.pp}")
+    if args.zero is None and args.nproc > 1:
+        args.zero = 3
     return args
 
 
 def run_demo(argv: Sequence[str]) -> int:
     """Train the zoo GPT for a few steps with zeroc; print the loss per step and the plan."""
     args = parse_args(argv)
+    if args.nproc == 1:
+        return _train(args, 0, 1)
+    store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False)
+    torch.multiprocessing.start_processes(
+        _rank_main, args=(args.nproc, store.port, args), nprocs=args.nproc,
+        start_method="spawn")
+    return 0
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore(_HOST, port, world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        _train(args, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, rank: int, world: int) -> int:
+    """One rank's training loop; rank 0 prints the losses (zeroc and eager) and the plan."""
     sys.path.insert(0, _zoo_path())
     from models.gpt import GPT, GPTConfig
 
     import zeroc
+    from zeroc.parallelize import parallelize
 
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers,
                     n_head=4, d_model=args.width)
     model = GPT(cfg)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="zeroc")
+    size = sum(p.numel() for p in model.parameters())
+    options = {}
+    if args.zero is not None or args.pp > 1:
+        parallelize(model, zero=3 if args.zero is None else args.zero, pp=args.pp)
+        if args.pp > 1:
+            options = {"schedule": args.schedule, "microbatches": args.microbatches}
+    compiled = torch.compile(model, backend="zeroc", options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(args.seed + 1)
-    print(f"zeroc demo: GPT {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
-          f"batch {args.batch}x{args.seq}, {args.steps} AdamW steps on {torch.device('cpu')}")
-    print(f"{'step':>4}  {'zeroc loss':>12}  {'eager loss':>12}  {'ms':>8}")
+    dp = world // args.pp
+    rows = args.batch // dp
+    lo = rank % dp * rows
+    if rank == 0:
+        layout = f", {world} gloo ranks, zero {args.zero}, pp {args.pp}" if world > 1 else ""
+        if args.pp > 1:
+            layout += f", schedule {args.schedule}"
+        print(f"zeroc demo: GPT {size / 1e6:.2f}M params, batch {args.batch}x{args.seq}, "
+              f"{args.steps} AdamW steps on {torch.device('cpu')}{layout}")
+        print(f"{'step':>4}  {'zeroc loss':>12}  {'eager loss':>12}  {'ms':>8}")
     for step in range(args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=data)
-        x, y = tokens[:, :-1], tokens[:, 1:]
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         start = time.perf_counter()
-        loss = compiled(x, y)
+        loss = compiled(x[lo:lo + rows], y[lo:lo + rows])
         loss.backward()
         opt.step()
         opt.zero_grad()
         elapsed = (time.perf_counter() - start) * 1e3
-        ref_loss = reference(x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        print(f"{step:>4}  {loss.item():>12.6f}  {ref_loss.item():>12.6f}  {elapsed:>8.1f}")
-    print()
-    print(zeroc.explain(compiled))
+        shown = loss.detach().clone()
+        if world > 1:  # each data-parallel replica has its own batch's loss: show the mean
+            dist.all_reduce(shown)
+            shown /= world
+        if rank == 0:
+            ref_loss = reference(x, y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            print(f"{step:>4}  {shown.item():>12.6f}  {ref_loss.item():>12.6f}  {elapsed:>8.1f}")
+    if rank == 0:
+        print()
+        print(zeroc.explain(compiled))
     return 0
