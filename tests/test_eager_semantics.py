@@ -121,11 +121,11 @@ def test_new_batch_sizes_recompile_and_match_eager(compile_backend: str) -> None
 
 @pytest.mark.timeout(120)
 def test_new_sequence_lengths_match_eager(compile_backend: str) -> None:
-    """GPT with sequence lengths 16, 8, 12 (positions sliced by length) matches eager."""
+    """GPT with sequence lengths 16 then 11 (positions sliced by length) matches eager."""
     eager = GPT(ONE_BLOCK_GPT, seed=4)
     module = copy.deepcopy(eager)
     compiled = torch.compile(module, backend=compile_backend)
-    for step, seq_len in enumerate((16, 8, 12)):
+    for step, seq_len in enumerate((16, 11)):
         inputs, targets = eager.example_batch(batch_size=2, seq_len=seq_len, seed=step)
         expected, actual = eager(inputs, targets), compiled(inputs, targets)
         assert_close(actual, expected, f"loss at length {seq_len}")

@@ -95,6 +95,7 @@ def test_outputs_without_targets_match_eager(name: str, compile_backend: str) ->
     assert_tensors_match(buffers(eager), buffers(module), "buffer", magnitude_scaled=False)
 
 
+@pytest.mark.timeout(120)
 def test_tied_head_stays_tied_through_compile(compile_backend: str) -> None:
     """GPT's head shares the embedding tensor; after compiled steps it still does, updated once."""
     eager = GPT(GPTConfig.tiny(), seed=8)
