@@ -20,6 +20,7 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+from zeroc.codegen.fused_kernel import choose_backend
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, PassRecord, graph_text, run_passes
 from zeroc.passes.decompositions import decomposition_table
@@ -129,7 +130,7 @@ def compile_dynamo_graph(
         bw_compiler=make_compiler("backward"),
         inference_compiler=make_compiler("inference"),
         partition_fn=partition,
-        decompositions=decomposition_table(),
+        decompositions=decomposition_table(choose_backend(config.kernels, device)),
     )
     return backend(gm, example_inputs)
 

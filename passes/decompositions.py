@@ -1,8 +1,9 @@
 """The aten decompositions applied while tracing the joint graph.
 
 Composite normalization, softmax and activation ops are split into pointwise ops and
-last-dimension reductions so that the fusion pass can turn them into kernels; matmuls,
-convolutions and attention are kept whole (they stay aten).
+last-dimension reductions so that the fusion pass can turn them into Triton kernels; matmuls,
+convolutions and attention are kept whole (they stay aten). Where kernels run as aten ops
+(CPU), nothing is decomposed: aten's own composite kernels are faster than their pieces.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ DECOMPOSED_OPS = (
 )
 
 
-def decomposition_table() -> dict[Any, Any]:
-    """Map from aten op overloads to their Python decompositions."""
+def decomposition_table(kernel_backend: str = "triton") -> dict[Any, Any]:
+    """Map from aten op overloads to their Python decompositions for ``kernel_backend``
+    (``"triton"`` or ``"aten"``, as ``zeroc.codegen.fused_kernel.choose_backend`` decides)."""
+    if kernel_backend == "aten":
+        return {}
     return get_decompositions(list(DECOMPOSED_OPS))
