@@ -42,6 +42,19 @@ _REDUCTION_PACKETS = {
 }
 
 
+def concrete(value: Any) -> int:
+    """An int for a size that may be symbolic (dynamic shapes): its hint, without adding a
+    guard (``int()`` on a SymInt would specialize the compiled graph to this one size)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        hint = value.node.hint
+        return int(hint) if hint is not None else 0
+    return int(value)
+
+
+def _numel(t: torch.Tensor) -> int:
+    return concrete(t.numel())
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(value)
     return [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -49,7 +62,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or a nested tuple/list of them)."""
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    return sum(_numel(t) * t.element_size() for t in _tensors(value))
 
 
 def _node_value(arg: Any) -> Any:
@@ -72,7 +85,7 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     args = torch.fx.node.map_arg(node.args, _node_value)
     kwargs = torch.fx.node.map_arg(node.kwargs, _node_value)
     in_tensors = _tensors((args, kwargs))
-    read = sum(t.numel() * t.element_size() for t in in_tensors)
+    read = sum(_numel(t) * t.element_size() for t in in_tensors)
     written = tensor_bytes(out)
     collective = ISSUE_OPS.get(node.target)
     if collective is not None:
@@ -83,17 +96,17 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     formula = flop_registry.get(packet)
     if formula is not None:
         try:
-            flops = int(formula(*args, **kwargs, out_val=out))
+            flops = concrete(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not accept these args: fall back below
             formula = None
     if formula is None:
         counter = getattr(node.target, "zeroc_flops", None)
         if counter is not None:
-            flops = int(counter(in_tensors, _tensors(out)))
+            flops = concrete(counter(in_tensors, _tensors(out)))
         elif packet in _REDUCTION_PACKETS:
-            flops = sum(t.numel() for t in in_tensors)
+            flops = sum(_numel(t) for t in in_tensors)
         else:
-            flops = sum(t.numel() for t in _tensors(out))
+            flops = sum(_numel(t) for t in _tensors(out))
     return NodeCost(name, target, flops, read + written)
 
 

@@ -121,11 +121,16 @@ def test_new_batch_sizes_recompile_and_match_eager(compile_backend: str) -> None
 
 @pytest.mark.timeout(120)
 def test_new_sequence_lengths_match_eager(compile_backend: str) -> None:
-    """GPT with sequence lengths 16 then 11 (positions sliced by length) matches eager."""
+    """GPT with sequence lengths 16, 11, 9, 7 (positions sliced by length) matches eager.
+
+    As with aot_eager, the second length compiles a graph with a dynamic length, which then
+    serves every later length without another compile.
+    """
     eager = GPT(ONE_BLOCK_GPT, seed=4)
     module = copy.deepcopy(eager)
     compiled = torch.compile(module, backend=compile_backend)
-    for step, seq_len in enumerate((16, 11)):
+    torch._dynamo.utils.counters.clear()
+    for step, seq_len in enumerate((16, 11, 9, 7)):
         inputs, targets = eager.example_batch(batch_size=2, seq_len=seq_len, seed=step)
         expected, actual = eager(inputs, targets), compiled(inputs, targets)
         assert_close(actual, expected, f"loss at length {seq_len}")
@@ -134,6 +139,7 @@ def test_new_sequence_lengths_match_eager(compile_backend: str) -> None:
         assert_same_grads_and_buffers(eager, module)
         eager.zero_grad()
         module.zero_grad()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 @pytest.mark.timeout(120)
