@@ -1,0 +1,421 @@
+"""zeroc pipelines against torch.distributed.pipelining: step time, peak RSS, losses.
+
+The zoo GPT (8 blocks, width 128, vocab 512, sequence 64 by default) with its head UNTIED from
+the token embedding (torch pipelining cannot tie parameters across stages, so neither side
+ties) trains with AdamW on 4 gloo ranks (one thread each), the global batch cut into 8
+micro-batches. Every configuration runs in its own fresh ranks (``zeroc.launch.run_ranks``),
+so a rank's peak RSS belongs to that configuration alone:
+
+- ``zeroc_dualpipev`` / ``zeroc_1f1b``: ``zeroc.parallelize(model, zero=0, pp=4)`` (plain
+  replicated parameters, dp=1: no sharding, like torch's pipelining alone), then
+  ``torch.compile(model, backend="zeroc", options={"schedule": ..., "microbatches": 8,
+  "split_points": ...})``; the split is pinned to torch's (one block per stage for dualpipev's
+  8 stages, two for 1f1b's 4; embeddings in the first stage, ``ln_f`` + head + loss in the
+  last).
+- ``torch_dualpipev`` / ``torch_1f1b``: the same GPT cut by hand into stage modules,
+  ``PipelineStage`` per stage, ``ScheduleDualPipeV`` (stages r and 2P-1-r on rank r) or
+  ``Schedule1F1B``, ``loss_fn`` = cross-entropy on the last stage.
+
+Per rank: the median of ``--steps`` steps (forward, backward, AdamW, zero_grad; a barrier
+before each) after ``--warmup`` discarded ones, ``ru_maxrss``, and the loss of every step. The
+table shows the slower rank's median, the larger peak RSS, and zeroc/torch ratios per schedule;
+losses of each pair must agree (same initialisation, same data). For the zeroc runs the
+executor's per-action timings of the timed steps are summed by kind (F, B, I, W, F&B, p2p) to
+show where a step goes.
+
+    python benchmarks/pipeline_vs_torch.py --steps 10 --warmup 3 --json pipeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
+
+from zeroc.launch import run_ranks  # noqa: E402
+
+CONFIGS = ("zeroc_dualpipev", "torch_dualpipev", "zeroc_1f1b", "torch_1f1b")
+PAIRS = (("zeroc_dualpipev", "torch_dualpipev"), ("zeroc_1f1b", "torch_1f1b"))
+KINDS = ("F", "B", "I", "W", "F&B", "p2p", "gaps", "outside")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every rank of every configuration trains."""
+
+    model: GPTConfig
+    batch: int
+    microbatches: int
+    steps: int
+    warmup: int
+    cache_dir: str
+
+
+def untied_gpt(config: GPTConfig) -> GPT:
+    """The zoo GPT with ``lm_head.weight`` its own parameter (a copy of the embedding)."""
+    model = GPT(config, seed=0)
+    model.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+    return model
+
+
+def num_stages(schedule: str, world: int) -> int:
+    """Stages of ``schedule`` on ``world`` ranks: 2 per rank for dualpipev, else 1."""
+    return 2 * world if schedule == "dualpipev" else world
+
+
+def stage_layers(stage: int, stages: int, n_layer: int) -> range:
+    """The blocks of ``stage`` when ``n_layer`` blocks are split evenly."""
+    if n_layer % stages:
+        raise ValueError(f"--n-layer={n_layer} must be a multiple of the {stages} stages")
+    per = n_layer // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a GPT: its blocks, plus embeddings (first) or ``ln_f`` + head."""
+
+    def __init__(self, gpt: GPT, stage: int, stages: int) -> None:
+        super().__init__()
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+        self.layers = nn.ModuleList(
+            gpt.layers[i] for i in stage_layers(stage, stages, gpt.config.n_layer))
+        if self.last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states in; hidden states or logits (last) out."""
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss on one micro-batch's logits."""
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def build_torch(schedule: str, setup: Setup, rank: int, world: int):
+    """Stage modules of this rank, the torch schedule and a ``step(x, y) -> loss|None``."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
+
+    stages = num_stages(schedule, world)
+    mine = [rank, stages - 1 - rank] if schedule == "dualpipev" else [rank]
+    gpt = untied_gpt(setup.model)
+    modules = [StageModule(gpt, s, stages) for s in mine]
+    del gpt  # only this rank's stages stay alive, as in a real deployment
+    device = torch.device("cpu")
+    pipeline_stages = [PipelineStage(m, s, stages, device) for m, s in zip(modules, mine,
+                                                                           strict=True)]
+    if schedule == "dualpipev":
+        runner = ScheduleDualPipeV(pipeline_stages, setup.microbatches, loss_fn=cross_entropy)
+    else:
+        runner = Schedule1F1B(pipeline_stages[0], setup.microbatches, loss_fn=cross_entropy)
+    first, last = 0 in mine, stages - 1 in mine
+    # Older torch has no return_outputs; there the last stage keeps its merged outputs.
+    extra = ({"return_outputs": False}
+             if "return_outputs" in inspect.signature(runner.step).parameters else {})
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": losses} if last else {}
+        runner.step(*args, **extra, **kwargs)
+        return float(torch.stack(losses).detach().mean()) if last else None
+
+    return nn.ModuleList(modules), step
+
+
+def build_zeroc(schedule: str, setup: Setup, world: int):
+    """The parallelized GPT, its compiled form and a ``step(x, y) -> loss``."""
+    import zeroc
+
+    model = zeroc.parallelize(untied_gpt(setup.model), zero=0, pp=world)
+    stages = num_stages(schedule, world)
+    per = setup.model.n_layer // stages
+    options = {"schedule": schedule, "microbatches": setup.microbatches,
+               "split_points": [f"layers.{s * per}" for s in range(1, stages)],
+               "cache_dir": setup.cache_dir}
+    compiled = torch.compile(model, backend="zeroc", options=options)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = compiled(x, y)
+        loss.backward()
+        return float(loss.detach())
+
+    return model, compiled, step
+
+
+def executor_of(compiled: Any) -> Any:
+    """The pipeline executor behind a zeroc-compiled model (its per-step action timings)."""
+    from zeroc.session import SESSION_ATTR, wrapper_of
+
+    return getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor
+
+
+_KIND = re.compile(r"^([A-Z_]+)")
+
+
+def action_kind(label: str) -> str:
+    """``F3@s1`` -> F, ``F4@s0&B0@s7`` -> F&B, ``SEND_F3@s1->r2 ...`` -> p2p."""
+    if "&" in label:
+        return "F&B"
+    kind = _KIND.match(label).group(1)
+    return "p2p" if kind.startswith(("SEND", "RECV")) else kind
+
+
+def add_action_times(totals: dict[str, float], executor: Any, rank: int, step_s: float) -> None:
+    """Add this rank's last-step seconds per action kind, gaps between actions and the time
+    of the step outside the executor (Dynamo call, gradient hand-off, AdamW) to ``totals``."""
+    labels, spans = executor.timings.labels[rank], executor.timings.times[rank]
+    for label, (start, end) in zip(labels, spans, strict=True):
+        kind = action_kind(label)
+        totals[kind] = totals.get(kind, 0.0) + end - start
+    busy = sum(end - start for start, end in spans)
+    inside = spans[-1][1] - spans[0][0]
+    totals["gaps"] = totals.get("gaps", 0.0) + inside - busy
+    totals["outside"] = totals.get("outside", 0.0) + step_s - inside
+
+
+def max_rss_mb() -> float:
+    """Peak resident set size of this process so far, MiB (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now, MiB."""
+    with open("/proc/self/statm") as handle:
+        pages = int(handle.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, Any]:
+    """Build ``config`` on this rank, train, return timings, losses, memory, action times."""
+    start_rss = max_rss_mb()
+    system, schedule = config.split("_", 1)
+    torch._dynamo.reset()
+    compiled = None
+    if system == "zeroc":
+        model, compiled, step = build_zeroc(schedule, setup, world)
+    else:
+        model, step = build_torch(schedule, setup, rank, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    cfg = setup.model
+    x, y = random_token_batch(cfg.vocab_size, cfg.block_size, setup.batch, None, seed=1)
+    times, losses, actions = [], [], {}
+    first_step_s = 0.0
+    for index in range(setup.warmup + setup.steps):
+        dist.barrier()
+        begin = time.perf_counter()
+        loss = step(x, y)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - begin
+        losses.append(loss)
+        if index == 0:
+            first_step_s = elapsed
+        if index >= setup.warmup:
+            times.append(elapsed)
+            if compiled is not None:
+                add_action_times(actions, executor_of(compiled), rank, elapsed)
+    return {
+        "times": times, "losses": losses, "first_step_s": first_step_s,
+        "start_rss_mb": start_rss, "peak_rss_mb": max_rss_mb(), "end_rss_mb": current_rss_mb(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "optimized_params": sum(p.numel() for p in model.parameters() if p in optimizer.state),
+        "action_ms": {k: 1000 * v / setup.steps for k, v in actions.items()},
+    }
+
+
+@dataclass
+class Measurement:
+    """One configuration's numbers over its ranks; ``error`` where it failed."""
+
+    config: str
+    step_median_ms: float | None = None
+    step_median_ms_per_rank: list[float] | None = None
+    step_min_ms: float | None = None
+    peak_rss_mb: float | None = None
+    peak_rss_mb_per_rank: list[float] | None = None
+    start_rss_mb: float | None = None
+    end_rss_mb: float | None = None
+    first_step_s: float | None = None
+    losses: list[float] | None = None
+    params_per_rank: list[int] | None = None
+    optimized_params_per_rank: list[int] | None = None
+    action_ms_per_rank: list[dict[str, float]] | None = None
+    wall_s: float | None = None
+    error: str | None = None
+
+
+def measure(config: str, setup: Setup, world: int, timeout: float) -> Measurement:
+    """Run ``config`` in fresh ranks; a failure is recorded, not raised."""
+    result = Measurement(config)
+    begin = time.perf_counter()
+    try:
+        ranks = run_ranks(train_rank, world, config, setup, timeout=timeout)
+    except Exception as error:  # a failing configuration is reported, the others still run
+        result.error = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        print(f"[{config}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return result
+    result.wall_s = time.perf_counter() - begin
+    result.step_median_ms_per_rank = [statistics.median(r["times"]) * 1000 for r in ranks]
+    result.step_median_ms = max(result.step_median_ms_per_rank)
+    result.step_min_ms = min(min(r["times"]) for r in ranks) * 1000
+    result.peak_rss_mb_per_rank = [r["peak_rss_mb"] for r in ranks]
+    result.peak_rss_mb = max(result.peak_rss_mb_per_rank)
+    result.start_rss_mb = max(r["start_rss_mb"] for r in ranks)
+    result.end_rss_mb = max(r["end_rss_mb"] for r in ranks)
+    result.first_step_s = max(r["first_step_s"] for r in ranks)
+    # torch reports the loss on the rank holding the last stage; zeroc on every rank.
+    result.losses = next(r["losses"] for r in ranks if r["losses"][0] is not None)
+    result.params_per_rank = [r["params"] for r in ranks]
+    result.optimized_params_per_rank = [r["optimized_params"] for r in ranks]
+    if any(r["action_ms"] for r in ranks):
+        result.action_ms_per_rank = [r["action_ms"] for r in ranks]
+    return result
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    """``value`` with ``digits`` decimals, or n/a."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(ours: float | None, theirs: float | None) -> str:
+    """``ours / theirs`` formatted, or n/a."""
+    return "n/a" if ours is None or not theirs else f"{ours / theirs:.2f}x"
+
+
+def report(results: dict[str, Measurement]) -> str:
+    """The absolute table, the zeroc/torch ratios and zeroc's per-action breakdown, as text."""
+    rows = [[m.config, fmt(m.step_median_ms), fmt(m.step_min_ms),
+             " / ".join(fmt(v) for v in m.step_median_ms_per_rank or []),
+             fmt(m.peak_rss_mb, 0), " / ".join(fmt(v, 0) for v in m.peak_rss_mb_per_rank or []),
+             fmt(m.start_rss_mb, 0), fmt(m.end_rss_mb, 0), fmt(m.first_step_s, 2),
+             fmt(m.losses[0], 5) if m.losses else "n/a",
+             fmt(m.losses[-1], 5) if m.losses else "n/a", m.error or ""]
+            for m in results.values()]
+    text = tabulate(rows, headers=[
+        "config", "step median (ms)", "step min (ms)", "median per rank", "peak RSS (MiB)",
+        "peak RSS per rank", "RSS at start", "RSS at end", "first step (s)", "loss step 1",
+        "loss last", "error"])
+    ratio_rows = []
+    for ours, theirs in PAIRS:
+        if ours not in results or theirs not in results:
+            continue
+        a, b = results[ours], results[theirs]
+        diff = (max(abs(p - q) for p, q in zip(a.losses, b.losses, strict=True))
+                if a.losses and b.losses else None)
+        ratio_rows.append([f"{ours} / {theirs}", ratio(a.step_median_ms, b.step_median_ms),
+                           ratio(a.peak_rss_mb, b.peak_rss_mb),
+                           ratio(a.end_rss_mb, b.end_rss_mb), fmt(diff, 7)])
+    text += "\n\n" + tabulate(ratio_rows, headers=[
+        "ratio", "step median", "peak RSS", "RSS at end", "max |loss diff| over steps"])
+    for m in results.values():
+        if not m.action_ms_per_rank:
+            continue
+        breakdown = [[rank, fmt(m.step_median_ms_per_rank[rank])]
+                     + [fmt(times.get(k, 0.0)) for k in KINDS]
+                     for rank, times in enumerate(m.action_ms_per_rank)]
+        text += f"\n\n{m.config}: mean ms per timed step by action kind\n" + tabulate(
+            breakdown, headers=["rank", "step median", *KINDS])
+    return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="discarded steps before them")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated subset of {list(CONFIGS)}")
+    parser.add_argument("--world", type=int, default=4, help="gloo ranks = pipeline ranks")
+    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error(f"--steps={args.steps} and --warmup={args.warmup} must be >= 1")
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or not args.configs:
+        parser.error(f"--configs: {unknown or 'empty'} not allowed; allowed are {list(CONFIGS)}")
+    if args.world < 2 or args.n_layer % (2 * args.world):
+        parser.error(f"--world={args.world} must be >= 2 and --n-layer={args.n_layer} a "
+                     f"multiple of 2 * world (dualpipev's stages)")
+    if args.microbatches < 2 * args.world or args.batch % args.microbatches:
+        parser.error(f"--microbatches={args.microbatches} must be >= 2 * world and divide "
+                     f"--batch={args.batch}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every configuration, print the tables, optionally write JSON; return the JSON object."""
+    args = parse_args(argv)
+    config = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
+                       n_head=args.n_head, d_model=args.d_model)
+    setup = Setup(model=config, batch=args.batch, microbatches=args.microbatches,
+                  steps=args.steps, warmup=args.warmup,
+                  cache_dir=tempfile.mkdtemp(prefix="zeroc-bench-"))
+    n_params = sum(p.numel() for p in untied_gpt(config).parameters())
+    load_before = os.getloadavg()
+    print(f"GPT {config} untied ({n_params / 1e6:.2f}M parameters), {args.world} gloo ranks, "
+          f"batch {args.batch}x{args.seq} in {args.microbatches} micro-batches, torch "
+          f"{torch.__version__}, {args.steps} timed steps after {args.warmup} warm-up steps, "
+          f"load average {load_before[0]:.2f}", flush=True)
+    results = {}
+    for name in args.configs:
+        m = measure(name, setup, args.world, args.timeout)
+        results[name] = m
+        print(f"  {name}: median {fmt(m.step_median_ms)} ms, peak RSS {fmt(m.peak_rss_mb, 0)} "
+              f"MiB, wall {fmt(m.wall_s)} s, load {os.getloadavg()[0]:.2f}", flush=True)
+    print()
+    print(report(results))
+    payload = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "model": asdict(config), "parameters": n_params, "world": args.world,
+        "batch": args.batch, "microbatches": args.microbatches, "steps": args.steps,
+        "warmup": args.warmup, "results": {name: asdict(m) for name, m in results.items()},
+    }
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
