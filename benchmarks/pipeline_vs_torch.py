@@ -228,8 +228,10 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
     cfg = setup.model
     x, y = random_token_batch(cfg.vocab_size, cfg.block_size, setup.batch, None, seed=1)
     times, losses, actions = [], [], {}
-    first_step_s = 0.0
+    first_step_s, warm_rss = 0.0, start_rss
     for index in range(setup.warmup + setup.steps):
+        if index == setup.warmup:
+            warm_rss = max_rss_mb()
         dist.barrier()
         begin = time.perf_counter()
         loss = step(x, y)
@@ -245,7 +247,8 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
                 add_action_times(actions, executor_of(compiled), rank, elapsed)
     return {
         "times": times, "losses": losses, "first_step_s": first_step_s,
-        "start_rss_mb": start_rss, "peak_rss_mb": max_rss_mb(), "end_rss_mb": current_rss_mb(),
+        "start_rss_mb": start_rss, "warm_rss_mb": warm_rss, "peak_rss_mb": max_rss_mb(),
+        "end_rss_mb": current_rss_mb(),
         "params": sum(p.numel() for p in model.parameters()),
         "optimized_params": sum(p.numel() for p in model.parameters() if p in optimizer.state),
         "action_ms": {k: 1000 * v / setup.steps for k, v in actions.items()},
@@ -263,6 +266,7 @@ class Measurement:
     peak_rss_mb: float | None = None
     peak_rss_mb_per_rank: list[float] | None = None
     start_rss_mb: float | None = None
+    warm_rss_mb: float | None = None
     end_rss_mb: float | None = None
     first_step_s: float | None = None
     losses: list[float] | None = None
@@ -290,6 +294,7 @@ def measure(config: str, setup: Setup, world: int, timeout: float) -> Measuremen
     result.peak_rss_mb_per_rank = [r["peak_rss_mb"] for r in ranks]
     result.peak_rss_mb = max(result.peak_rss_mb_per_rank)
     result.start_rss_mb = max(r["start_rss_mb"] for r in ranks)
+    result.warm_rss_mb = max(r["warm_rss_mb"] for r in ranks)
     result.end_rss_mb = max(r["end_rss_mb"] for r in ranks)
     result.first_step_s = max(r["first_step_s"] for r in ranks)
     # torch reports the loss on the rank holding the last stage; zeroc on every rank.
@@ -311,19 +316,28 @@ def ratio(ours: float | None, theirs: float | None) -> str:
     return "n/a" if ours is None or not theirs else f"{ours / theirs:.2f}x"
 
 
+def per_rank(values: list[float] | None, scale: float = 1.0, digits: int = 0) -> str:
+    """``a / b / c`` of per-rank values divided by ``scale``."""
+    return " / ".join(f"{v / scale:.{digits}f}" for v in values or [])
+
+
 def report(results: dict[str, Measurement]) -> str:
-    """The absolute table, the zeroc/torch ratios and zeroc's per-action breakdown, as text."""
+    """Time and memory tables, the zeroc/torch ratios and zeroc's per-action times, as text."""
     rows = [[m.config, fmt(m.step_median_ms), fmt(m.step_min_ms),
-             " / ".join(fmt(v) for v in m.step_median_ms_per_rank or []),
-             fmt(m.peak_rss_mb, 0), " / ".join(fmt(v, 0) for v in m.peak_rss_mb_per_rank or []),
-             fmt(m.start_rss_mb, 0), fmt(m.end_rss_mb, 0), fmt(m.first_step_s, 2),
+             per_rank(m.step_median_ms_per_rank, digits=1), fmt(m.first_step_s, 2),
              fmt(m.losses[0], 5) if m.losses else "n/a",
              fmt(m.losses[-1], 5) if m.losses else "n/a", m.error or ""]
             for m in results.values()]
     text = tabulate(rows, headers=[
-        "config", "step median (ms)", "step min (ms)", "median per rank", "peak RSS (MiB)",
-        "peak RSS per rank", "RSS at start", "RSS at end", "first step (s)", "loss step 1",
-        "loss last", "error"])
+        "config", "step median (ms)", "step min (ms)", "median per rank", "first step (s)",
+        "loss step 1", "loss last", "error"])
+    rows = [[m.config, fmt(m.peak_rss_mb, 0), per_rank(m.peak_rss_mb_per_rank),
+             fmt(m.start_rss_mb, 0), fmt(m.warm_rss_mb, 0), fmt(m.end_rss_mb, 0),
+             per_rank(m.params_per_rank, 1e6, 2), per_rank(m.optimized_params_per_rank, 1e6, 2)]
+            for m in results.values()]
+    text += "\n\n" + tabulate(rows, headers=[
+        "config", "peak RSS (MiB)", "per rank", "at start", "peak after warm-up", "RSS at end",
+        "params held (M)", "params optimized (M)"])
     ratio_rows = []
     for ours, theirs in PAIRS:
         if ours not in results or theirs not in results:
