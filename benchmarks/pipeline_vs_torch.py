@@ -227,26 +227,28 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     cfg = setup.model
     x, y = random_token_batch(cfg.vocab_size, cfg.block_size, setup.batch, None, seed=1)
-    times, losses, actions = [], [], {}
+    times, cpu_times, losses, actions = [], [], [], {}
     first_step_s, warm_rss = 0.0, start_rss
     for index in range(setup.warmup + setup.steps):
         if index == setup.warmup:
             warm_rss = max_rss_mb()
         dist.barrier()
-        begin = time.perf_counter()
+        begin, cpu_begin = time.perf_counter(), time.process_time()
         loss = step(x, y)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - begin
+        cpu_elapsed = time.process_time() - cpu_begin
         losses.append(loss)
         if index == 0:
             first_step_s = elapsed
         if index >= setup.warmup:
             times.append(elapsed)
+            cpu_times.append(cpu_elapsed)
             if compiled is not None:
                 add_action_times(actions, executor_of(compiled), rank, elapsed)
     return {
-        "times": times, "losses": losses, "first_step_s": first_step_s,
+        "times": times, "cpu_times": cpu_times, "losses": losses, "first_step_s": first_step_s,
         "start_rss_mb": start_rss, "warm_rss_mb": warm_rss, "peak_rss_mb": max_rss_mb(),
         "end_rss_mb": current_rss_mb(),
         "params": sum(p.numel() for p in model.parameters()),
@@ -263,6 +265,8 @@ class Measurement:
     step_median_ms: float | None = None
     step_median_ms_per_rank: list[float] | None = None
     step_min_ms: float | None = None
+    cpu_median_ms_per_rank: list[float] | None = None
+    cpu_total_ms: float | None = None
     peak_rss_mb: float | None = None
     peak_rss_mb_per_rank: list[float] | None = None
     start_rss_mb: float | None = None
@@ -291,6 +295,8 @@ def measure(config: str, setup: Setup, world: int, timeout: float) -> Measuremen
     result.step_median_ms_per_rank = [statistics.median(r["times"]) * 1000 for r in ranks]
     result.step_median_ms = max(result.step_median_ms_per_rank)
     result.step_min_ms = min(min(r["times"]) for r in ranks) * 1000
+    result.cpu_median_ms_per_rank = [statistics.median(r["cpu_times"]) * 1000 for r in ranks]
+    result.cpu_total_ms = sum(result.cpu_median_ms_per_rank)
     result.peak_rss_mb_per_rank = [r["peak_rss_mb"] for r in ranks]
     result.peak_rss_mb = max(result.peak_rss_mb_per_rank)
     result.start_rss_mb = max(r["start_rss_mb"] for r in ranks)
@@ -324,13 +330,15 @@ def per_rank(values: list[float] | None, scale: float = 1.0, digits: int = 0) ->
 def report(results: dict[str, Measurement]) -> str:
     """Time and memory tables, the zeroc/torch ratios and zeroc's per-action times, as text."""
     rows = [[m.config, fmt(m.step_median_ms), fmt(m.step_min_ms),
-             per_rank(m.step_median_ms_per_rank, digits=1), fmt(m.first_step_s, 2),
+             per_rank(m.step_median_ms_per_rank, digits=1), fmt(m.cpu_total_ms),
+             per_rank(m.cpu_median_ms_per_rank, digits=1), fmt(m.first_step_s, 2),
              fmt(m.losses[0], 5) if m.losses else "n/a",
              fmt(m.losses[-1], 5) if m.losses else "n/a", m.error or ""]
             for m in results.values()]
     text = tabulate(rows, headers=[
-        "config", "step median (ms)", "step min (ms)", "median per rank", "first step (s)",
-        "loss step 1", "loss last", "error"])
+        "config", "step median (ms)", "step min (ms)", "median per rank",
+        "CPU ms/step (sum)", "CPU per rank", "first step (s)", "loss step 1", "loss last",
+        "error"])
     rows = [[m.config, fmt(m.peak_rss_mb, 0), per_rank(m.peak_rss_mb_per_rank),
              fmt(m.start_rss_mb, 0), fmt(m.warm_rss_mb, 0), fmt(m.end_rss_mb, 0),
              per_rank(m.params_per_rank, 1e6, 2), per_rank(m.optimized_params_per_rank, 1e6, 2)]
@@ -346,10 +354,12 @@ def report(results: dict[str, Measurement]) -> str:
         diff = (max(abs(p - q) for p, q in zip(a.losses, b.losses, strict=True))
                 if a.losses and b.losses else None)
         ratio_rows.append([f"{ours} / {theirs}", ratio(a.step_median_ms, b.step_median_ms),
+                           ratio(a.cpu_total_ms, b.cpu_total_ms),
                            ratio(a.peak_rss_mb, b.peak_rss_mb),
                            ratio(a.end_rss_mb, b.end_rss_mb), fmt(diff, 7)])
     text += "\n\n" + tabulate(ratio_rows, headers=[
-        "ratio", "step median", "peak RSS", "RSS at end", "max |loss diff| over steps"])
+        "ratio", "step median", "CPU per step", "peak RSS", "RSS at end",
+        "max |loss diff| over steps"])
     for m in results.values():
         if not m.action_ms_per_rank:
             continue

@@ -98,6 +98,21 @@ def _param_name(node: torch.fx.Node, names: dict[str, str]) -> str:
     return names.get(name, name)
 
 
+def _hoist(node: torch.fx.Node, before: torch.fx.Node, position: dict) -> None:
+    """Move ``node`` (and what it reads, recursively) in front of ``before`` if it is later.
+
+    Only pure computations of graph inputs are moved; ``position`` is updated to match.
+    """
+    if position[node] < position[before]:
+        return
+    if node.op != "call_function" or node.is_impure():
+        raise AssertionError(f"cannot issue a gather before {node.name}, which it reads")
+    for arg in node.all_input_nodes:
+        _hoist(arg, before, position)
+    before.prepend(node)
+    position[node] = position[before] - 0.5
+
+
 def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
                     prefetch: int) -> int:
     # Stage 0 keeps whole parameters: its unshard only reshapes, nothing to gather.
@@ -129,10 +144,11 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
         early = buckets[max(0, index - prefetch)]
         issue_at = nodes[min(n.meta["_zeroc_first_use"] for n in early.nodes)]
         shards = [n.args[0] for n in bucket.nodes]
-        # The issue point must follow the definitions of the shards it reads.
-        latest_input = max((_order(s) for s in shards), default=-1)
-        if _order(issue_at) <= latest_input:
-            issue_at = nodes[latest_input + 1]
+        # The shards must exist where the gather is issued: hoist what computes them from
+        # the inputs (e.g. the bf16 cast of a shard) up to the issue point.
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for shard in shards:
+            _hoist(shard, issue_at, position)
         with gm.graph.inserting_before(issue_at):
             flat = shards[0] if len(shards) == 1 else build.call(aten.cat.default, shards)
             issued = build.call(functional.all_gather_into_tensor.default, flat, dp, group_name)

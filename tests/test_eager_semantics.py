@@ -273,5 +273,9 @@ def test_gpt_with_dropout_in_eval_matches_eager(compile_backend: str) -> None:
     actual.backward()
     assert_same_grads_and_buffers(eager, module)
     module.train()
-    train_loss = compiled(inputs, targets)
-    assert not torch.allclose(train_loss, actual), "train-mode dropout changed nothing"
+    # At initialization the logits are near zero, so dropout moves the loss only slightly:
+    # compare the logits, which dropout changes element by element.
+    train_logits, eval_logits = compiled(inputs), eager(inputs)
+    assert not torch.equal(train_logits, eval_logits), "train-mode dropout changed nothing"
+    dropped = (train_logits - eval_logits).abs() > 1e-6
+    assert dropped.float().mean() > 0.5, "train-mode dropout changed almost nothing"
