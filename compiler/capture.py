@@ -22,13 +22,13 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 
 from zeroc.codegen.fused_kernel import choose_backend
 from zeroc.config import Config
-from zeroc.passes.base import PassContext, PassRecord, graph_text, run_passes
+from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.decompositions import decomposition_table
 from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
 from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
 from zeroc.runtime.executor import GraphExecutor
-from zeroc.runtime.records import ParamInfo, PassInfo
+from zeroc.runtime.records import ParamInfo
 from zeroc.session import CompiledGraph, CompileSession
 
 
@@ -90,7 +90,7 @@ def compile_dynamo_graph(
         name = f"{prefix}.joint"
         ctx = PassContext(config=config, graph_name=name, kind="joint", device=device)
         joint, pass_records = run_passes(joint, ctx, JOINT_PASSES, record=config.record_graphs)
-        record.passes.extend(_pass_infos(pass_records))
+        record.passes.extend(pass_infos(pass_records))
         record.joint = graph_info(joint, name, "joint", graph_text(joint))
         record.num_fwd_outputs = num_fwd_outputs
         if config.partitioner == "min_cut":
@@ -116,7 +116,7 @@ def compile_dynamo_graph(
             record.graphs.append(graph_info(graph, name, kind, text))
             record.kernels.extend(ctx.kernels)
             record.collectives.extend(ctx.collectives)
-            record.passes.extend(_pass_infos(pass_records))
+            record.passes.extend(pass_infos(pass_records))
             record.transient_bytes = max(record.transient_bytes,
                                          peak_bytes(graph, include_inputs=False))
             if kind == "forward":
@@ -152,15 +152,6 @@ def _input_names(gm: torch.fx.GraphModule) -> dict[str, str]:
     """AOTAutograd names the i-th flat input ``primals_{i}``: map those to readable names."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return {f"primals_{i + 1}": source_name(n) for i, n in enumerate(placeholders)}
-
-
-def _pass_infos(records: list[PassRecord]) -> list[PassInfo]:
-    return [
-        PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
-                 nodes_before=r.nodes_before, nodes_after=r.nodes_after, before=r.before,
-                 after=r.after, stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
-        for r in records
-    ]
 
 
 def _saved_bytes(forward: torch.fx.GraphModule, num_fwd_outputs: int) -> int:

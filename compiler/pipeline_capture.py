@@ -33,7 +33,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 
 from zeroc.capture import parameter_infos, source_name
 from zeroc.config import Config
-from zeroc.passes.base import PassContext, PassRecord, graph_text, run_passes
+from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
@@ -49,7 +49,6 @@ from zeroc.runtime.pipeline_executor import (
     PipelineLayout,
     StageProgram,
 )
-from zeroc.runtime.records import GraphInfo, PassInfo
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
 
@@ -275,11 +274,11 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
         ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
                           extras={"input_names": input_names})
         graph, pass_records = run_passes(graph, ctx, pipeline, record=config.record_graphs)
-        record.passes.extend(_pass_infos(pass_records))
+        record.passes.extend(pass_infos(pass_records))
         record.kernels.extend(ctx.kernels)
         record.collectives.extend(ctx.collectives)
         if kind != "joint":
-            record.graphs.append(_graph_info(graph, name, kind))
+            record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
         return graph
 
     joint = passes(joint, "joint", JOINT_PASSES)
@@ -294,7 +293,7 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
                               for n in output.args[0][num_fwd:] if isinstance(n, torch.fx.Node))
     split_bw = split_weight_grad(bw, len(spec.param_inputs))
     for kind, graph in (("input_grad", split_bw.input_grad), ("weight_grad", split_bw.weight_grad)):
-        record.graphs.append(_graph_info(graph, f"{stage_name}.{kind}", kind))
+        record.graphs.append(graph_info(graph, f"{stage_name}.{kind}", kind, graph_text(graph)))
     tangent_outputs = tuple(i for i, flag in enumerate(spec.output_requires_grad) if flag)
     tangents = sum(1 for n in joint.graph.nodes
                    if n.op == "placeholder" and n.name.startswith("tangents"))
@@ -308,25 +307,6 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
         local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
         num_model_outputs=spec.num_model_outputs, tangent_outputs=tangent_outputs,
     )
-
-
-def _graph_info(graph: torch.fx.GraphModule, name: str, kind: str) -> GraphInfo:
-    """``graph_info`` with plain ints: fake values traced under Dynamo's shape environment
-    can make a FLOP formula return a symbolic number."""
-    info = graph_info(graph, name, kind, graph_text(graph))
-    costs = tuple(dataclasses.replace(c, flops=int(c.flops), bytes=int(c.bytes))
-                  for c in info.node_costs)
-    return dataclasses.replace(info, flops=int(info.flops), bytes=int(info.bytes),
-                               peak_bytes=int(info.peak_bytes), node_costs=costs)
-
-
-def _pass_infos(records: list[PassRecord]) -> list[PassInfo]:
-    return [
-        PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
-                 nodes_before=r.nodes_before, nodes_after=r.nodes_after, before=r.before,
-                 after=r.after, stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
-        for r in records
-    ]
 
 
 class _TrainStep(torch.autograd.Function):

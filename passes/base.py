@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from zeroc.runtime.records import PassInfo
+
 
 @dataclasses.dataclass(frozen=True)
 class PassResult:
@@ -58,6 +60,16 @@ class PassRecord:
 
 
 GraphPass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
+
+
+def pass_infos(records: list[PassRecord]) -> list[PassInfo]:
+    """The plan's frozen form of pass records (stats as sorted string pairs)."""
+    return [
+        PassInfo(pass_name=r.pass_name, graph=r.graph_name, changed=r.changed,
+                 nodes_before=r.nodes_before, nodes_after=r.nodes_after, before=r.before,
+                 after=r.after, stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
+        for r in records
+    ]
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:
