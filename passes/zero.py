@@ -19,6 +19,7 @@ Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wa
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,6 +91,31 @@ class _Builder:
         return node
 
 
+# Reductions in flight at once: a bucket is waited before the next-but-one is issued, so the
+# packed full-size gradients of at most this many buckets are alive together.
+REDUCES_IN_FLIGHT = 2
+
+
+def module_unit(name: str) -> str:
+    """The module a parameter belongs to for bucketing: the first numbered block
+    (``layers.3`` of ``layers.3.attn.qkv.weight``), else its top-level module (``tok_emb``).
+    Buckets never mix units, so a ZeRO-3 gather holds one block at a time (as FSDP does)."""
+    match = re.match(r"^(.*?\.\d+)(?:\.|$)", name)
+    return match.group(1) if match else name.split(".")[0]
+
+
+def _grad_param_names(gm: torch.fx.GraphModule, names: dict[str, str]) -> dict:
+    """reduce_grad node -> parameter name: output ``i`` of a backward graph is the gradient
+    of the forward's input ``primals_{i+1}``."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    found = {}
+    for index, value in enumerate(output.args[0]):
+        if isinstance(value, torch.fx.Node) and value.target is REDUCE_GRAD:
+            key = f"primals_{index + 1}"
+            found[value] = names.get(key, key)
+    return found
+
+
 def _param_name(node: torch.fx.Node, names: dict[str, str]) -> str:
     source = node.args[0]
     while isinstance(source, torch.fx.Node) and source.op != "placeholder" and source.args:
@@ -127,18 +153,19 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
 
     for mark in marks:
         mark.meta["_zeroc_first_use"] = _order(first_use(mark))
+    names = ctx.extras.get("input_names", {})
     buckets = _buckets(
         sorted(marks, key=lambda n: n.meta["_zeroc_first_use"]),
-        key=lambda n: (n.args[3], n.args[4], n.args[0].meta["val"].dtype),
+        key=lambda n: (n.args[3], n.args[4], n.args[0].meta["val"].dtype,
+                       module_unit(_param_name(n, names))),
         size=lambda n: n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size()
         * group_size(n.args[3]),
         cap=cap,
     )
     buckets.sort(key=lambda b: min(n.meta["_zeroc_first_use"] for n in b.nodes))
     build = _Builder(gm)
-    names = ctx.extras.get("input_names", {})
     for index, bucket in enumerate(buckets):
-        group_name, _stage, _dtype = bucket.key
+        group_name = bucket.key[0]
         dp = group_size(group_name)
         need = nodes[min(n.meta["_zeroc_first_use"] for n in bucket.nodes)]
         early = buckets[max(0, index - prefetch)]
@@ -213,18 +240,21 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
     # A bucket is reduced after its last gradient and waited before its first reader (the
     # output, or e.g. the sum of a tied parameter's two gradients): no member may be
     # produced after another member is read.
+    names = ctx.extras.get("input_names", {})
+    grad_names = _grad_param_names(gm, names)
     buckets = _buckets(
         marks,
-        key=lambda n: (n.args[2], n.args[3], n.args[0].meta["val"].dtype),
+        key=lambda n: (n.args[2], n.args[3], n.args[0].meta["val"].dtype,
+                       module_unit(grad_names.get(n, ""))),
         size=lambda n: n.args[1] * n.args[0].meta["val"].element_size(),
         cap=cap,
         joinable=lambda b, n: _order(n) < min(first_user(m) for m in b.nodes),
     )
     nodes = list(gm.graph.nodes)
     build = _Builder(gm)
-    names = ctx.extras.get("input_names", {})
-    for index, bucket in enumerate(buckets):
-        group_name, stage, _dtype = bucket.key
+    issued_buckets = []
+    for bucket in buckets:
+        group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
         # Issued as soon as the bucket's last gradient exists.
         last = max(bucket.nodes, key=_order)
@@ -252,8 +282,18 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             else:
                 op = "all_reduce"
                 issued = build.call(functional.all_reduce.default, packed, "sum", group_name)
-        reader = nodes[min(first_user(m) for m in bucket.nodes)]
-        with gm.graph.inserting_before(reader):
+        issued_buckets.append((bucket, pieces[0], issued, packed, widths, last, op))
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for index, (bucket, _start, issued, packed, widths, last, op) in enumerate(issued_buckets):
+        group_name, stage = bucket.key[0], bucket.key[1]
+        dp = group_size(group_name)
+        # Waited before its first reader, or before the next-but-one bucket is packed.
+        wait_at = nodes[min(first_user(m) for m in bucket.nodes)]
+        if index + REDUCES_IN_FLIGHT < len(issued_buckets):
+            later = issued_buckets[index + REDUCES_IN_FLIGHT][1]
+            if position[issued] < position[later] < position[wait_at]:
+                wait_at = later
+        with gm.graph.inserting_before(wait_at):
             reduced = build.call(functional.wait_tensor.default, issued)
             mean = build.call(aten.div.Tensor, reduced, dp)
             if stage == 1:
@@ -268,9 +308,9 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
         in_bytes = packed.meta["val"].numel() * packed.meta["val"].element_size()
         ctx.collectives.append(CollectiveInfo(
             name=f"{ctx.graph_name}.reduce{index}", graph=ctx.graph_name, op=op,
-            group=group_name, params=tuple(_param_name(n, names) for n in bucket.nodes),
+            group=group_name, params=tuple(grad_names.get(n, n.name) for n in bucket.nodes),
             bytes=collective_bytes(op, in_bytes, 0),
-            issued_at=last.name, waited_at=reader.name))
+            issued_at=last.name, waited_at=wait_at.name))
     return len(buckets)
 
 
