@@ -1,31 +1,24 @@
-"""zeroc pipelines against torch.distributed.pipelining: step time, peak RSS, losses.
+"""zeroc pipelines against torch.distributed.pipelining: step time, CPU time, peak RSS, losses.
 
-The zoo GPT (8 blocks, width 128, vocab 512, sequence 64 by default) with its head UNTIED from
-the token embedding (torch pipelining cannot tie parameters across stages, so neither side
-ties) trains with AdamW on 4 gloo ranks (one thread each), the global batch cut into 8
-micro-batches. Every configuration runs in its own fresh ranks (``zeroc.launch.run_ranks``),
-so a rank's peak RSS belongs to that configuration alone:
+The zoo GPT (8 blocks, width 128, vocab 512, sequence 64 by default), its head UNTIED from the
+token embedding on both sides (torch pipelining cannot tie across stages), trains with AdamW on
+4 gloo ranks (one thread each), the global batch in 8 micro-batches. Each configuration runs in
+fresh ranks (``zeroc.launch.run_ranks``), so a rank's peak RSS is that configuration's alone:
 
-- ``zeroc_dualpipev`` / ``zeroc_1f1b``: ``zeroc.parallelize(model, zero=0, pp=4)`` (plain
-  replicated parameters, dp=1: no sharding, like torch's pipelining alone), then
-  ``torch.compile(model, backend="zeroc", options={"schedule": ..., "microbatches": 8,
-  "split_points": ...})``; the split is pinned to torch's (one block per stage for dualpipev's
-  8 stages, two for 1f1b's 4; embeddings in the first stage, ``ln_f`` + head + loss in the
-  last).
-- ``torch_dualpipev`` / ``torch_1f1b``: the same GPT cut by hand into stage modules,
-  ``PipelineStage`` per stage, ``ScheduleDualPipeV`` (stages r and 2P-1-r on rank r) or
-  ``Schedule1F1B``, ``loss_fn`` = cross-entropy on the last stage.
+- ``zeroc_dualpipev`` / ``zeroc_1f1b``: ``zeroc.parallelize(model, zero=0, pp=4)`` (replicated
+  parameters, dp=1: no sharding, as in torch's pipelining alone) and ``torch.compile(model,
+  backend="zeroc", options={"schedule", "microbatches", "split_points"})``, the split pinned to
+  torch's: one block per stage for dualpipev's 8 stages, two for 1f1b's 4.
+- ``torch_dualpipev`` / ``torch_1f1b``: the same GPT cut by hand into stage modules (embeddings
+  first, ``ln_f`` + head last), ``PipelineStage`` each, ``ScheduleDualPipeV`` (stages r and
+  2P-1-r on rank r) or ``Schedule1F1B``, ``loss_fn`` = cross-entropy.
 
-Per rank: the median of ``--steps`` steps (forward, backward, AdamW, zero_grad; a barrier
-before each) after ``--warmup`` discarded ones, ``ru_maxrss``, and the loss of every step. The
-table shows the slower rank's median, the larger peak RSS, and zeroc/torch ratios per schedule;
-losses of each pair must agree (same initialisation, same data). For the zeroc runs the
-executor's per-action timings of the timed steps are summed by kind (F, B, I, W, F&B, p2p) to
-show where a step goes.
+Per rank: median wall and CPU time of ``--steps`` steps (barrier, forward + backward, AdamW,
+zero_grad) after ``--warmup`` ones, ``ru_maxrss``, every step's loss (each pair must agree).
+For zeroc the executor's action timings are summed by kind (F, B, I, W, F&B, p2p).
 
     python benchmarks/pipeline_vs_torch.py --steps 10 --warmup 3 --json pipeline.json
 """
-
 from __future__ import annotations
 
 import argparse
@@ -34,7 +27,6 @@ import inspect
 import json
 import os
 import platform
-import re
 import resource
 import statistics
 import sys
@@ -84,14 +76,6 @@ def num_stages(schedule: str, world: int) -> int:
     return 2 * world if schedule == "dualpipev" else world
 
 
-def stage_layers(stage: int, stages: int, n_layer: int) -> range:
-    """The blocks of ``stage`` when ``n_layer`` blocks are split evenly."""
-    if n_layer % stages:
-        raise ValueError(f"--n-layer={n_layer} must be a multiple of the {stages} stages")
-    per = n_layer // stages
-    return range(stage * per, (stage + 1) * per)
-
-
 class StageModule(nn.Module):
     """One pipeline stage of a GPT: its blocks, plus embeddings (first) or ``ln_f`` + head."""
 
@@ -100,8 +84,8 @@ class StageModule(nn.Module):
         self.first, self.last = stage == 0, stage == stages - 1
         if self.first:
             self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
-        self.layers = nn.ModuleList(
-            gpt.layers[i] for i in stage_layers(stage, stages, gpt.config.n_layer))
+        per = gpt.config.n_layer // stages  # parse_args checks that it divides evenly
+        self.layers = nn.ModuleList(gpt.layers[stage * per:(stage + 1) * per])
         if self.last:
             self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
 
@@ -129,9 +113,8 @@ def build_torch(schedule: str, setup: Setup, rank: int, world: int):
     gpt = untied_gpt(setup.model)
     modules = [StageModule(gpt, s, stages) for s in mine]
     del gpt  # only this rank's stages stay alive, as in a real deployment
-    device = torch.device("cpu")
-    pipeline_stages = [PipelineStage(m, s, stages, device) for m, s in zip(modules, mine,
-                                                                           strict=True)]
+    pipeline_stages = [PipelineStage(m, s, stages, torch.device("cpu"))
+                       for m, s in zip(modules, mine, strict=True)]
     if schedule == "dualpipev":
         runner = ScheduleDualPipeV(pipeline_stages, setup.microbatches, loss_fn=cross_entropy)
     else:
@@ -171,28 +154,20 @@ def build_zeroc(schedule: str, setup: Setup, world: int):
     return model, compiled, step
 
 
-def executor_of(compiled: Any) -> Any:
-    """The pipeline executor behind a zeroc-compiled model (its per-step action timings)."""
-    from zeroc.session import SESSION_ATTR, wrapper_of
-
-    return getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor
-
-
-_KIND = re.compile(r"^([A-Z_]+)")
-
-
 def action_kind(label: str) -> str:
     """``F3@s1`` -> F, ``F4@s0&B0@s7`` -> F&B, ``SEND_F3@s1->r2 ...`` -> p2p."""
     if "&" in label:
         return "F&B"
-    kind = _KIND.match(label).group(1)
-    return "p2p" if kind.startswith(("SEND", "RECV")) else kind
+    return "p2p" if label.startswith(("SEND", "RECV")) else label.split("@")[0].rstrip("0123456789")
 
 
-def add_action_times(totals: dict[str, float], executor: Any, rank: int, step_s: float) -> None:
+def add_action_times(totals: dict[str, float], compiled: Any, rank: int, step_s: float) -> None:
     """Add this rank's last-step seconds per action kind, gaps between actions and the time
     of the step outside the executor (Dynamo call, gradient hand-off, AdamW) to ``totals``."""
-    labels, spans = executor.timings.labels[rank], executor.timings.times[rank]
+    from zeroc.session import SESSION_ATTR, wrapper_of
+
+    timings = getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor.timings
+    labels, spans = timings.labels[rank], timings.times[rank]
     for label, (start, end) in zip(labels, spans, strict=True):
         kind = action_kind(label)
         totals[kind] = totals.get(kind, 0.0) + end - start
@@ -205,13 +180,6 @@ def add_action_times(totals: dict[str, float], executor: Any, rank: int, step_s:
 def max_rss_mb() -> float:
     """Peak resident set size of this process so far, MiB (``ru_maxrss`` is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def current_rss_mb() -> float:
-    """Resident set size of this process now, MiB."""
-    with open("/proc/self/statm") as handle:
-        pages = int(handle.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, Any]:
@@ -246,11 +214,10 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
             times.append(elapsed)
             cpu_times.append(cpu_elapsed)
             if compiled is not None:
-                add_action_times(actions, executor_of(compiled), rank, elapsed)
+                add_action_times(actions, compiled, rank, elapsed)
     return {
         "times": times, "cpu_times": cpu_times, "losses": losses, "first_step_s": first_step_s,
         "start_rss_mb": start_rss, "warm_rss_mb": warm_rss, "peak_rss_mb": max_rss_mb(),
-        "end_rss_mb": current_rss_mb(),
         "params": sum(p.numel() for p in model.parameters()),
         "optimized_params": sum(p.numel() for p in model.parameters() if p in optimizer.state),
         "action_ms": {k: 1000 * v / setup.steps for k, v in actions.items()},
@@ -264,14 +231,12 @@ class Measurement:
     config: str
     step_median_ms: float | None = None
     step_median_ms_per_rank: list[float] | None = None
-    step_min_ms: float | None = None
     cpu_median_ms_per_rank: list[float] | None = None
     cpu_total_ms: float | None = None
     peak_rss_mb: float | None = None
     peak_rss_mb_per_rank: list[float] | None = None
     start_rss_mb: float | None = None
     warm_rss_mb: float | None = None
-    end_rss_mb: float | None = None
     first_step_s: float | None = None
     losses: list[float] | None = None
     params_per_rank: list[int] | None = None
@@ -294,14 +259,12 @@ def measure(config: str, setup: Setup, world: int, timeout: float) -> Measuremen
     result.wall_s = time.perf_counter() - begin
     result.step_median_ms_per_rank = [statistics.median(r["times"]) * 1000 for r in ranks]
     result.step_median_ms = max(result.step_median_ms_per_rank)
-    result.step_min_ms = min(min(r["times"]) for r in ranks) * 1000
     result.cpu_median_ms_per_rank = [statistics.median(r["cpu_times"]) * 1000 for r in ranks]
     result.cpu_total_ms = sum(result.cpu_median_ms_per_rank)
     result.peak_rss_mb_per_rank = [r["peak_rss_mb"] for r in ranks]
     result.peak_rss_mb = max(result.peak_rss_mb_per_rank)
     result.start_rss_mb = max(r["start_rss_mb"] for r in ranks)
     result.warm_rss_mb = max(r["warm_rss_mb"] for r in ranks)
-    result.end_rss_mb = max(r["end_rss_mb"] for r in ranks)
     result.first_step_s = max(r["first_step_s"] for r in ranks)
     # torch reports the loss on the rank holding the last stage; zeroc on every rank.
     result.losses = next(r["losses"] for r in ranks if r["losses"][0] is not None)
@@ -329,22 +292,22 @@ def per_rank(values: list[float] | None, scale: float = 1.0, digits: int = 0) ->
 
 def report(results: dict[str, Measurement]) -> str:
     """Time and memory tables, the zeroc/torch ratios and zeroc's per-action times, as text."""
-    rows = [[m.config, fmt(m.step_median_ms), fmt(m.step_min_ms),
+    rows = [[m.config, fmt(m.step_median_ms),
              per_rank(m.step_median_ms_per_rank, digits=1), fmt(m.cpu_total_ms),
              per_rank(m.cpu_median_ms_per_rank, digits=1), fmt(m.first_step_s, 2),
              fmt(m.losses[0], 5) if m.losses else "n/a",
              fmt(m.losses[-1], 5) if m.losses else "n/a", m.error or ""]
             for m in results.values()]
     text = tabulate(rows, headers=[
-        "config", "step median (ms)", "step min (ms)", "median per rank",
+        "config", "step median (ms)", "median per rank",
         "CPU ms/step (sum)", "CPU per rank", "first step (s)", "loss step 1", "loss last",
         "error"])
     rows = [[m.config, fmt(m.peak_rss_mb, 0), per_rank(m.peak_rss_mb_per_rank),
-             fmt(m.start_rss_mb, 0), fmt(m.warm_rss_mb, 0), fmt(m.end_rss_mb, 0),
+             fmt(m.start_rss_mb, 0), fmt(m.warm_rss_mb, 0),
              per_rank(m.params_per_rank, 1e6, 2), per_rank(m.optimized_params_per_rank, 1e6, 2)]
             for m in results.values()]
     text += "\n\n" + tabulate(rows, headers=[
-        "config", "peak RSS (MiB)", "per rank", "at start", "peak after warm-up", "RSS at end",
+        "config", "peak RSS (MiB)", "per rank", "at start", "peak after warm-up",
         "params held (M)", "params optimized (M)"])
     ratio_rows = []
     for ours, theirs in PAIRS:
@@ -355,11 +318,9 @@ def report(results: dict[str, Measurement]) -> str:
                 if a.losses and b.losses else None)
         ratio_rows.append([f"{ours} / {theirs}", ratio(a.step_median_ms, b.step_median_ms),
                            ratio(a.cpu_total_ms, b.cpu_total_ms),
-                           ratio(a.peak_rss_mb, b.peak_rss_mb),
-                           ratio(a.end_rss_mb, b.end_rss_mb), fmt(diff, 7)])
+                           ratio(a.peak_rss_mb, b.peak_rss_mb), fmt(diff, 7)])
     text += "\n\n" + tabulate(ratio_rows, headers=[
-        "ratio", "step median", "CPU per step", "peak RSS", "RSS at end",
-        "max |loss diff| over steps"])
+        "ratio", "step median", "CPU per step", "peak RSS", "max |loss diff| over steps"])
     for m in results.values():
         if not m.action_ms_per_rank:
             continue
@@ -380,12 +341,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated subset of {list(CONFIGS)}")
     parser.add_argument("--world", type=int, default=4, help="gloo ranks = pipeline ranks")
     parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--n-layer", type=int, default=8)
-    parser.add_argument("--n-head", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
+    for name, default in (("--microbatches", 8), ("--seq", 64), ("--d-model", 128),
+                          ("--n-layer", 8), ("--n-head", 4), ("--vocab", 512)):
+        parser.add_argument(name, type=int, default=default)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -429,12 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
         "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
-        "model": asdict(config), "parameters": n_params, "world": args.world,
-        "batch": args.batch, "microbatches": args.microbatches, "steps": args.steps,
-        "warmup": args.warmup, "results": {name: asdict(m) for name, m in results.items()},
-    }
+        "model": asdict(config), "parameters": n_params, "args": vars(args),
+        "results": {name: asdict(m) for name, m in results.items()}}
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=2)
