@@ -156,13 +156,15 @@ def test_four_ranks_match_eager_global_batch(four_ranks, name: str, zero: int) -
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_bf16_within_bf16_tolerance_of_eager_autocast(two_ranks) -> None:
-    """bf16 compute with fp32 master shards: losses within 5e-3 of eager autocast; weights
+    """bf16 compute with fp32 master shards (every op in bf16, as FSDP2's bf16 policy; eager
+    autocast keeps norms and the loss in fp32): losses within torch.testing's bf16 tolerance
+    (rtol 1.6e-2) of eager autocast; weights
     within 2 STEPS lr (Adam moves a weight by about lr whatever its gradient's size, so a tiny
     gradient whose sign differs between two bf16 paths costs up to 2 lr per step)."""
     ref_losses, ref_state = eager_reference("gpt", autocast=True)
     got = two_ranks[0]["bf16"]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses),
-                               rtol=5e-3, atol=0)
+                               rtol=1.6e-2, atol=1e-5)
     for key, value in ref_state.items():
         assert got["full"][key].dtype == torch.float32
         torch.testing.assert_close(got["full"][key], value, rtol=0, atol=2 * STEPS * ADAM["lr"],
