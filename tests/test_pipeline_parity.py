@@ -3,7 +3,7 @@
 One multi-rank job per world layout trains every (model, schedule) case for three AdamW steps
 with ``zeroc.parallelize(model, zero, pp)`` and ``torch.compile(backend="zeroc",
 options={"schedule": ...})`` and returns the losses and ``zeroc.full_state_dict``. Each must
-match eager within fp32 tolerance (see ``test_zoo_parity.assert_tensors_match``). The pp=2 job
+match eager within fp32 tolerance (see ``parity.assert_tensors_match``). The pp=2 job
 also checks ``torch.no_grad()`` forwards, ``(0.5 * loss).backward()``, the plan's grid and the
 Chrome trace.
 """
@@ -19,7 +19,7 @@ import torch
 from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from test_zoo_parity import ADAM, assert_tensors_match
+from parity import ADAM, assert_tensors_match
 
 STEPS, BATCH = 3, 8
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
