@@ -1,16 +1,16 @@
 """Every rank of a group must compile the same graph: check it with one collective.
 
 A rank that compiled a different graph (other options, other shapes, other code) would issue
-other collectives and hang the job. After compiling, the ranks of a group all-gather a hash of
-the compiled graph; on a mismatch every rank raises, naming the ranks that differ and the
-first line where their graphs differ.
+other collectives and hang the job. After compiling, the ranks of a group all-gather, in one
+collective, a record of the compiled graph: its digest and a hash per line. On a mismatch every
+rank raises, naming the ranks that differ and the first line where their graphs differ.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -24,18 +24,6 @@ class PlanMismatchError(RuntimeError):
 def text_digest(text: str) -> str:
     """A short, stable hash of a graph's text."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def first_difference(a: str, b: str) -> str:
-    """The first differing line of two texts, as ``line N: 'x' != 'y'``."""
-    lines_a, lines_b = a.splitlines(), b.splitlines()
-    matcher = difflib.SequenceMatcher(a=lines_a, b=lines_b, autojunk=False)
-    for tag, i1, _i2, j1, _j2 in matcher.get_opcodes():
-        if tag != "equal":
-            left = lines_a[i1].strip() if i1 < len(lines_a) else "<end>"
-            right = lines_b[j1].strip() if j1 < len(lines_b) else "<end>"
-            return f"line {i1 + 1}: {left!r} != {right!r}"
-    return "texts are equal"
 
 
 def check_same_graph(name: str, text: str, group_name: str) -> str:
@@ -52,19 +40,43 @@ def check_same_graph(name: str, text: str, group_name: str) -> str:
         return _compare(name, text, digest, group)
 
 
+# Lines whose hashes travel with the digest: enough to name the first difference of any graph
+# zeroc compiles in one collective (a longer graph is still compared whole by its digest).
+MAX_LINES = 8192
+
+
+def _record(text: str) -> torch.Tensor:
+    """The digest (16 bytes), the line count and one 32-bit hash per line, as int64s."""
+    lines = text.splitlines()
+    record = torch.zeros(2 + 1 + MAX_LINES, dtype=torch.int64)
+    digest = hashlib.sha256(text.encode()).digest()
+    record[0] = int.from_bytes(digest[:8], "little", signed=True)
+    record[1] = int.from_bytes(digest[8:16], "little", signed=True)
+    record[2] = len(lines)
+    hashes = [int.from_bytes(hashlib.sha256(line.encode()).digest()[:4], "little")
+              for line in lines[:MAX_LINES]]
+    record[3:3 + len(hashes)] = torch.tensor(hashes, dtype=torch.int64)
+    return record
+
+
 def _compare(name: str, text: str, digest: str, group: dist.ProcessGroup) -> str:
-    digests: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    size = dist.get_world_size(group)
+    mine = _record(text)
+    everyone = torch.empty(size * mine.numel(), dtype=torch.int64)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    records = everyone.view(size, -1)
+    odd = next((i for i in range(1, size) if not torch.equal(records[i, :2], records[0, :2])),
+               None)
+    if odd is None:
         return digest
-    # Mismatch: every rank sees it; fetch the texts once more to name the difference.
-    texts: list[str | None] = [None] * len(digests)
-    dist.all_gather_object(texts, text, group=group)
     ranks = dist.get_process_group_ranks(group)
-    odd = next(i for i, d in enumerate(digests) if d != digests[0])
+    lines = text.splitlines()
+    differs = (records[0, 3:] != records[odd, 3:]).nonzero()
+    index = int(differs[0]) if len(differs) else min(MAX_LINES, len(lines))
+    here = repr(lines[index].strip()) if index < len(lines) else "<end of graph>"
     raise PlanMismatchError(
-        f"zeroc: ranks compiled different plans for {name}: rank {ranks[0]} has "
-        f"{digests[0]}, rank {ranks[odd]} has {digests[odd]}; first difference "
-        f"(rank {ranks[0]} vs rank {ranks[odd]}) at {first_difference(texts[0], texts[odd])}. "
-        "Every rank must run the same model code, options and input shapes."
+        f"zeroc: ranks compiled different plans for {name}: rank {ranks[0]} and rank "
+        f"{ranks[odd]} differ; first difference at line {index + 1} of the compiled graph "
+        f"(rank {dist.get_rank()} has {here}). Every rank must run the same model code, "
+        "options and input shapes."
     )
