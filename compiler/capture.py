@@ -24,7 +24,7 @@ from zeroc.codegen.fused_kernel import choose_backend
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.decompositions import decomposition_table
-from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
+from zeroc.passes.pipeline import DYNAMO_PASSES, GRAPH_PASSES, JOINT_PASSES
 from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
 from zeroc.runtime.executor import GraphExecutor
@@ -84,6 +84,10 @@ def compile_dynamo_graph(
     record.device = str(device)
     input_names = _input_names(gm)
     session.add(record)
+    dynamo_ctx = PassContext(config=config, graph_name=f"{prefix}.dynamo", kind="dynamo",
+                             device=device)
+    gm, dynamo_records = run_passes(gm, dynamo_ctx, DYNAMO_PASSES, record=config.record_graphs)
+    record.passes.extend(pass_infos(dynamo_records))
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -121,6 +125,7 @@ def compile_dynamo_graph(
                                          peak_bytes(graph, include_inputs=False))
             if kind == "forward":
                 record.saved_bytes = _saved_bytes(graph, record.num_fwd_outputs)
+            _release_metadata(graph)
             return GraphExecutor(graph, name)
 
         return compile_graph
@@ -133,6 +138,17 @@ def compile_dynamo_graph(
         decompositions=decomposition_table(choose_backend(config.kernels, device)),
     )
     return backend(gm, example_inputs)
+
+
+def _release_metadata(graph: torch.fx.GraphModule) -> None:
+    """Drop the compile-time metadata of a graph that is only run from now on.
+
+    The plan already holds what it needs (text, costs, records). Each node's ``meta`` keeps
+    fake tensors, stack traces and source maps that would otherwise live as long as the
+    compiled model (several MiB for a small transformer).
+    """
+    for node in graph.graph.nodes:
+        node.meta = {}
 
 
 def _zero_markers(graph: torch.fx.GraphModule) -> tuple[int, str]:

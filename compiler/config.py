@@ -29,6 +29,8 @@ class Config:
         ops elsewhere; "triton" always launches Triton (on CPU needs TRITON_INTERPRET=1);
         "aten" never launches Triton (sources are still generated and shown in the plan).
     fusion: fuse pointwise chains and last-dimension reductions into kernels.
+    fused_loss: compute a linear layer followed by cross-entropy (a language-model head) in
+        row chunks with ``zeroc::linear_cross_entropy``, never materializing the logits.
     partitioner: "min_cut" (recompute cheap ops, save less) or "default" (save what the
         forward computed) for splitting the joint graph into forward and backward.
     kernel_autotune: time a few block configurations of each kernel on first launch (GPU
@@ -51,6 +53,7 @@ class Config:
     mode: str = "default"
     kernels: str = "auto"
     fusion: bool = True
+    fused_loss: bool = True
     partitioner: str = "min_cut"
     kernel_autotune: bool = False
     record_graphs: bool = True
@@ -103,7 +106,7 @@ def _check(key: str, value: Any) -> Any:
                 f"zeroc: option {key}={value!r} is not allowed; allowed: {list(choices[key])}"
             )
         return value
-    if key in ("fusion", "kernel_autotune", "record_graphs"):
+    if key in ("fusion", "fused_loss", "kernel_autotune", "record_graphs"):
         if not isinstance(value, bool):
             raise OptionError(f"zeroc: option {key}={value!r} must be True or False")
         return value

@@ -6,15 +6,23 @@ Each entry is a function ``(gm, ctx) -> PassResult`` from its own file. ``run_pa
 
 from __future__ import annotations
 
+from zeroc.passes.activation_recompute import tag_activation_recompute
 from zeroc.passes.dead_code import eliminate_dead_code
 from zeroc.passes.fusion import fusion
+from zeroc.passes.linear_cross_entropy import fuse_linear_cross_entropy
 from zeroc.passes.noop_views import remove_noop_views
 from zeroc.passes.zero import lower_zero
 from zeroc.passes.zero_recompute import tag_zero_recompute
 
+# On the Dynamo graph (torch-level ops), before AOTAutograd traces it.
+DYNAMO_PASSES = (
+    fuse_linear_cross_entropy,
+)
+
 # On the joint forward+backward graph, before it is partitioned.
 JOINT_PASSES = (
     tag_zero_recompute,
+    tag_activation_recompute,
 )
 
 # On each functional graph (forward, backward or inference) after partitioning.

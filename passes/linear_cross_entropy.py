@@ -1,0 +1,154 @@
+"""Fuse a linear layer and the cross-entropy on its output into ``zeroc::linear_cross_entropy``.
+
+Runs on the Dynamo graph (torch-level IR), before AOTAutograd. It rewrites
+
+    logits = F.linear(h, W, b)            # (..., vocab)
+    loss = F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
+
+into one call of the chunked op of ``zeroc.runtime.linear_cross_entropy``, which never holds
+more than one chunk of logits and, when training, computes the gradients of ``h``, ``W`` and
+``b`` during the forward. The language-model head of a GPT or Llama is the usual match; its
+``rows x vocab`` logits, their log-softmax and their gradient are then never materialized.
+
+A match must be exact, or the graph is left as it is and the reason is counted in the stats:
+
+- the logits feed only the cross-entropy (through views/reshapes that keep the last dim);
+- class-index targets, ``weight=None``, ``label_smoothing=0``, reduction ``"mean"`` or
+  ``"sum"`` (a scalar loss: the op's backward scales the precomputed gradients by it);
+- no autocast around the call (autocast would change the dtypes eager computes in).
+
+Option ``fused_loss=False`` turns the pass off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
+from zeroc.passes.base import PassContext, PassResult
+
+_LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+_RESHAPE_METHODS = {"view", "reshape", "flatten"}
+_RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
+_AUTOCAST_ENTER = {torch.amp.autocast_mode._enter_autocast}
+_AUTOCAST_EXIT = {torch.amp.autocast_mode._exit_autocast}
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _is_reshape(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _RESHAPE_METHODS
+    return node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
+
+
+def _logits_source(node: torch.fx.Node) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+    """The linear node behind a chain of single-use reshapes ending at ``node``, and the chain."""
+    chain = []
+    while _is_reshape(node):
+        chain.append(node)
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or len(source.users) != 1:
+            return None, chain
+        node = source
+    if node.op == "call_function" and node.target in _LINEAR_TARGETS:
+        return node, chain
+    return None, chain
+
+
+def _autocast_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes that run between an ``_enter_autocast`` and its ``_exit_autocast``."""
+    inside, depth = set(), 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _AUTOCAST_ENTER:
+            depth += 1
+        elif node.op == "call_function" and node.target in _AUTOCAST_EXIT:
+            depth = max(depth - 1, 0)
+        elif depth:
+            inside.add(node)
+    return inside
+
+
+def _skip_reason(ce: torch.fx.Node, autocast: set[torch.fx.Node], device: torch.device
+                 ) -> tuple[str | None, dict[str, Any]]:
+    """Why this cross-entropy cannot be fused (``None`` if it can), and its bound arguments."""
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError:
+        return "unrecognised arguments", {}
+    bound.apply_defaults()
+    args = dict(bound.arguments)
+    if args["weight"] is not None or args["size_average"] is not None \
+            or args["reduce"] is not None:
+        return "class weights or legacy reduction arguments", args
+    if args["label_smoothing"] != 0.0:
+        return "label smoothing", args
+    if args["reduction"] not in ("mean", "sum") or isinstance(args["ignore_index"],
+                                                              torch.fx.Node):
+        return "reduction not mean/sum", args
+    if ce in autocast or torch.is_autocast_enabled(device.type):
+        return "autocast", args
+    logits, target = _value(args["input"]), _value(args["target"])
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return "no example values", args
+    if logits.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+        return "not (rows, classes) logits with class-index targets", args
+    return None, args
+
+
+def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Replace each linear -> cross-entropy pair by ``zeroc::linear_cross_entropy``."""
+    if not getattr(ctx.config, "fused_loss", True):
+        return PassResult(gm, False, {"disabled": True})
+    graph = gm.graph
+    autocast = _autocast_nodes(gm)
+    skipped: Counter[str] = Counter()
+    rewritten = 0
+    for ce in list(graph.nodes):
+        if ce.op != "call_function" or ce.target is not F.cross_entropy:
+            continue
+        reason, args = _skip_reason(ce, autocast, ctx.device)
+        linear, chain = (None, [])
+        if reason is None:
+            linear, chain = _logits_source(args["input"])
+            if linear is None or len(linear.users) != 1 or len(args["input"].users) != 1:
+                reason = "logits used by more than the loss"
+        if reason is None:
+            h, weight = linear.args[0], linear.args[1]
+            bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+            h_value, w_value = _value(h), _value(weight)
+            logits_value = _value(linear)
+            if not isinstance(h_value, torch.Tensor) or h_value.dim() < 2 \
+                    or not isinstance(w_value, torch.Tensor) or w_value.dim() != 2 \
+                    or logits_value.shape[-1] != _value(args["input"]).shape[-1]:
+                reason = "reshapes that do not keep the class dimension last"
+        if reason is not None:
+            skipped[reason] += 1
+            continue
+        need_grad = bool(logits_value.requires_grad)
+        with graph.inserting_before(ce):
+            rows = graph.call_function(torch.flatten, (h, 0, -2))
+            fused = graph.call_function(
+                torch.ops.zeroc.linear_cross_entropy.default,
+                (rows, weight, bias, args["target"], int(args["ignore_index"]),
+                 args["reduction"], 0, need_grad))
+            loss = graph.call_function(operator.getitem, (fused, 0))
+        loss.meta.update(ce.meta)
+        ce.replace_all_uses_with(loss)
+        for node in [ce, *chain, linear]:
+            graph.erase_node(node)
+        rewritten += 1
+    stats: dict[str, Any] = {"rewritten": rewritten}
+    if skipped:
+        stats["skipped"] = "; ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+    return PassResult(gm, rewritten > 0, stats)
