@@ -15,7 +15,10 @@ A match must be exact, or the graph is left as it is and the reason is counted i
 - the logits feed only the cross-entropy (through views/reshapes that keep the last dim);
 - class-index targets, ``weight=None``, ``label_smoothing=0``, reduction ``"mean"`` or
   ``"sum"`` (a scalar loss: the op's backward scales the precomputed gradients by it);
-- no autocast around the call (autocast would change the dtypes eager computes in).
+- under autocast (a region in the graph, or autocast already on when the graph is compiled)
+  the head's inputs are cast to the autocast dtype first, as autocast casts ``F.linear``'s;
+  the op then upcasts the logits to float32 for the loss, as autocast runs ``cross_entropy``
+  in float32. Autocast on another device type is ignored, as eager ignores it.
 
 Option ``fused_loss=False`` turns the pass off.
 """
@@ -66,21 +69,39 @@ def _logits_source(node: torch.fx.Node) -> tuple[torch.fx.Node | None, list[torc
     return None, chain
 
 
-def _autocast_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Nodes that run between an ``_enter_autocast`` and its ``_exit_autocast``."""
-    inside, depth = set(), 0
+def _autocast_regions(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple]:
+    """For each node inside ``_enter_autocast`` ... ``_exit_autocast``: the innermost region's
+    ``(device_type, dtype, enabled)``."""
+    inside: dict[torch.fx.Node, tuple] = {}
+    stack: list[tuple] = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _AUTOCAST_ENTER:
-            depth += 1
+            device_type, dtype, enabled = (list(node.args) + [None, None, True])[:3]
+            stack.append((device_type, dtype, enabled))
         elif node.op == "call_function" and node.target in _AUTOCAST_EXIT:
-            depth = max(depth - 1, 0)
-        elif depth:
-            inside.add(node)
+            if stack:
+                stack.pop()
+        elif stack:
+            inside[node] = stack[-1]
     return inside
 
 
-def _skip_reason(ce: torch.fx.Node, autocast: set[torch.fx.Node], device: torch.device
-                 ) -> tuple[str | None, dict[str, Any]]:
+def autocast_dtype(node: torch.fx.Node, regions: dict[torch.fx.Node, tuple],
+                   device: torch.device) -> torch.dtype | None:
+    """The dtype autocast casts ``node``'s matmul inputs to on ``device``; ``None`` if off."""
+    if node in regions:
+        device_type, dtype, enabled = regions[node]
+        if device_type != device.type:
+            return None
+        if not enabled:
+            return None
+        return dtype if dtype is not None else torch.get_autocast_dtype(device.type)
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _skip_reason(ce: torch.fx.Node) -> tuple[str | None, dict[str, Any]]:
     """Why this cross-entropy cannot be fused (``None`` if it can), and its bound arguments."""
     try:
         bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
@@ -96,8 +117,6 @@ def _skip_reason(ce: torch.fx.Node, autocast: set[torch.fx.Node], device: torch.
     if args["reduction"] not in ("mean", "sum") or isinstance(args["ignore_index"],
                                                               torch.fx.Node):
         return "reduction not mean/sum", args
-    if ce in autocast or torch.is_autocast_enabled(device.type):
-        return "autocast", args
     logits, target = _value(args["input"]), _value(args["target"])
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
         return "no example values", args
@@ -111,13 +130,13 @@ def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> Pas
     if not getattr(ctx.config, "fused_loss", True):
         return PassResult(gm, False, {"disabled": True})
     graph = gm.graph
-    autocast = _autocast_nodes(gm)
+    regions = _autocast_regions(gm)
     skipped: Counter[str] = Counter()
-    rewritten = 0
+    rewritten = autocast_rewrites = 0
     for ce in list(graph.nodes):
         if ce.op != "call_function" or ce.target is not F.cross_entropy:
             continue
-        reason, args = _skip_reason(ce, autocast, ctx.device)
+        reason, args = _skip_reason(ce)
         linear, chain = (None, [])
         if reason is None:
             linear, chain = _logits_source(args["input"])
@@ -136,19 +155,31 @@ def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> Pas
             skipped[reason] += 1
             continue
         need_grad = bool(logits_value.requires_grad)
+        cast = autocast_dtype(ce, regions, h_value.device)
         with graph.inserting_before(ce):
+            if cast is not None:  # what autocast does to F.linear's inputs
+                h, weight = (graph.call_method("to", (h, cast)),
+                             graph.call_method("to", (weight, cast)))
+                if bias is not None:
+                    bias = graph.call_method("to", (bias, cast))
             rows = graph.call_function(torch.flatten, (h, 0, -2))
             fused = graph.call_function(
                 torch.ops.zeroc.linear_cross_entropy.default,
                 (rows, weight, bias, args["target"], int(args["ignore_index"]),
                  args["reduction"], 0, need_grad))
             loss = graph.call_function(operator.getitem, (fused, 0))
+            loss_dtype = getattr(_value(ce), "dtype", torch.float32)
+            if loss_dtype != torch.float32:  # the op's loss is float32; eager's is the logits'
+                loss = graph.call_method("to", (loss, loss_dtype))
         loss.meta.update(ce.meta)
         ce.replace_all_uses_with(loss)
         for node in [ce, *chain, linear]:
             graph.erase_node(node)
         rewritten += 1
+        autocast_rewrites += cast is not None
     stats: dict[str, Any] = {"rewritten": rewritten}
+    if autocast_rewrites:
+        stats["autocast"] = autocast_rewrites
     if skipped:
         stats["skipped"] = "; ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
     return PassResult(gm, rewritten > 0, stats)

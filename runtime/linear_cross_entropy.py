@@ -19,8 +19,9 @@ etc. Invariant: this holds because the op's loss is a scalar (``reduction`` is `
 ``"sum"``); ``reduction="none"`` is not offered. Second derivatives are not supported.
 
 Numerics follow eager: logits in the dtype of ``h`` (a bf16 model multiplies in bf16), the
-log-sum-exp and the loss in float32, ``ignore_index`` rows contribute nothing, and a mean over
-zero counted rows is NaN as in ``F.cross_entropy``.
+log-sum-exp and the loss in float32 (the op's loss is always float32; ``linear_cross_entropy``
+returns it in ``h``'s dtype, as ``F.cross_entropy`` would), ``ignore_index`` rows contribute
+nothing, and a mean over zero counted rows is NaN as in ``F.cross_entropy``.
 """
 
 from __future__ import annotations
@@ -110,12 +111,12 @@ def _linear_cross_entropy(
         grad_w = grad_w.to(weight.dtype)
         if bias is not None:
             grad_b = grad_b.to(bias.dtype)
-    return loss.to(h.dtype), grad_h, grad_w, grad_b
+    return loss, grad_h, grad_w, grad_b
 
 
 @_linear_cross_entropy.register_fake
 def _(h, weight, bias, targets, ignore_index, reduction, chunk_rows, need_grad):
-    loss = h.new_empty(())
+    loss = h.new_empty((), dtype=torch.float32)
     grad_h = torch.empty_like(h) if need_grad else h.new_empty(0)
     grad_w = torch.empty_like(weight) if need_grad else weight.new_empty(0)
     grad_b = bias.new_empty(bias.shape) if need_grad and bias is not None else h.new_empty(0)
@@ -151,8 +152,9 @@ def linear_cross_entropy(
     """
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (h, weight, bias))
-    return _linear_cross_entropy(h, weight, bias, targets, ignore_index, reduction,
+    loss = _linear_cross_entropy(h, weight, bias, targets, ignore_index, reduction,
                                  chunk_rows or 0, need_grad)[0]
+    return loss.to(h.dtype)
 
 
 @register_flop_formula(torch.ops.zeroc.linear_cross_entropy)

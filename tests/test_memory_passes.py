@@ -20,6 +20,7 @@ from torch import nn
 from torch.testing import FileCheck
 
 import zeroc
+from zeroc.passes.linear_cross_entropy import autocast_dtype
 from zeroc.runtime.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
 
 ROWS, WIDTH, VOCAB = 37, 16, 50
@@ -154,7 +155,7 @@ def test_fused_loss_off_keeps_logits_and_saves_more() -> None:
 
 
 class _HeadModel(nn.Module):
-    """A head whose loss call is configurable, to exercise the pass's refusals."""
+    """A head whose loss call is configurable, to exercise the pass's matches and refusals."""
 
     def __init__(self, loss_kwargs: dict, return_logits: bool = False) -> None:
         super().__init__()
@@ -195,15 +196,56 @@ def test_pass_rewrites_only_exact_matches(loss_kwargs, return_logits, expected) 
     assert _pass_stats(zeroc.explain(run), "fuse_linear_cross_entropy") == expected
 
 
-def test_pass_skips_autocast_and_no_grad_computes_no_gradients() -> None:
-    model = _HeadModel({})
+class _AutocastHead(_HeadModel):
+    """The loss computed inside an autocast region of the model itself."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x, y)
+
+
+@pytest.mark.parametrize("region", ["around the call", "inside the model"])
+def test_autocast_casts_the_head_inputs_as_eager_autocast(region: str) -> None:
+    torch.manual_seed(0)
+    cls = _AutocastHead if region == "inside the model" else _HeadModel
+    eager, model = cls({}), cls({})
+    model.load_state_dict(eager.state_dict())
     x, y = torch.randn(3, 5, 8), torch.randint(0, 12, (3, 5))
     run = torch.compile(model, backend="zeroc")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        run(x, y).backward()
-    assert _pass_stats(zeroc.explain(run), "fuse_linear_cross_entropy") == {
-        "rewritten": "0", "skipped": "autocast: 1"}
-    torch._dynamo.reset()
+        got, want = run(x, y), eager(x, y)
+    # Eager autocast runs cross_entropy in float32, on logits of a bf16 matmul.
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    got.backward()
+    want.backward()
+    for (name, p_eager), p_model in zip(eager.named_parameters(), model.parameters(),
+                                        strict=True):
+        assert p_model.grad.dtype == torch.float32
+        torch.testing.assert_close(p_model.grad, p_eager.grad, rtol=1.6e-2, atol=1e-2,
+                                   msg=name)
+    plan = zeroc.explain(run)
+    assert _pass_stats(plan, "fuse_linear_cross_entropy") == {"rewritten": "1",
+                                                              "autocast": "1"}
+    FileCheck().check("torch.bfloat16").check("zeroc.linear_cross_entropy.default(") \
+        .run(plan.passes_for("g0.forward")[-1].after)
+
+
+def test_autocast_of_another_device_or_disabled_casts_nothing() -> None:
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    cpu = torch.device("cpu")
+    assert autocast_dtype(node, {node: ("cpu", torch.bfloat16, True)}, cpu) == torch.bfloat16
+    assert autocast_dtype(node, {node: ("cuda", torch.bfloat16, True)}, cpu) is None
+    assert autocast_dtype(node, {node: ("cpu", torch.bfloat16, False)}, cpu) is None
+    assert autocast_dtype(node, {}, cpu) is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert autocast_dtype(node, {}, cpu) == torch.float16
+
+
+def test_no_grad_computes_no_gradients() -> None:
+    model = _HeadModel({})
+    x, y = torch.randn(3, 5, 8), torch.randint(0, 12, (3, 5))
     run = torch.compile(model, backend="zeroc")
     with torch.no_grad():
         loss = run(x, y)
