@@ -37,7 +37,7 @@ from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
-from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
+from zeroc.passes.pipeline import DYNAMO_PASSES, GRAPH_PASSES, JOINT_PASSES
 from zeroc.passes.schedule import build_schedule
 from zeroc.passes.split_stages import StageSplit, split_stages
 from zeroc.passes.split_weight_grad import split_weight_grad
@@ -175,17 +175,22 @@ def _compile_pipeline(
     except ValueError as error:
         raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
                          f"microbatches={microbatches}: {error}") from None
-    mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, batch // microbatches)
-    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
-    position = layout.mesh.pp_index
     prefix = f"g{session.next_graph_index()}"
     record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
                            dynamo_code=graph_text(gm))
+    device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
+                  torch.device("cpu"))
+    # Stage graphs are always traced for training (a no_grad call runs their forwards only).
+    dynamo_ctx = PassContext(config=config, graph_name=f"{prefix}.dynamo", kind="dynamo",
+                             device=device, extras={"need_grad": True})
+    gm, dynamo_records = run_passes(gm, dynamo_ctx, DYNAMO_PASSES, record=config.record_graphs)
+    record.passes.extend(pass_infos(dynamo_records))
+    mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, batch // microbatches)
+    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
+    position = layout.mesh.pp_index
     session.add(record)
     names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
     mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
-    device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
-                  torch.device("cpu"))
     record.device = str(device)
     record.zero = layout.zero
     record.zero_group = layout.dp_group_name

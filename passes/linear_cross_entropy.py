@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
 from zeroc.passes.base import PassContext, PassResult
@@ -154,8 +155,10 @@ def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> Pas
         if reason is not None:
             skipped[reason] += 1
             continue
-        need_grad = bool(logits_value.requires_grad)
+        # The pipeline path traces its stage graphs for training even under no_grad.
+        need_grad = bool(ctx.extras.get("need_grad", logits_value.requires_grad))
         cast = autocast_dtype(ce, regions, h_value.device)
+        first_new = ce.prev
         with graph.inserting_before(ce):
             if cast is not None:  # what autocast does to F.linear's inputs
                 h, weight = (graph.call_method("to", (h, cast)),
@@ -171,6 +174,7 @@ def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> Pas
             loss_dtype = getattr(_value(ce), "dtype", torch.float32)
             if loss_dtype != torch.float32:  # the op's loss is float32; eager's is the logits'
                 loss = graph.call_method("to", (loss, loss_dtype))
+        _trace_meta(_nodes_between(first_new, ce), linear)
         loss.meta.update(ce.meta)
         ce.replace_all_uses_with(loss)
         for node in [ce, *chain, linear]:
@@ -183,3 +187,33 @@ def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> Pas
     if skipped:
         stats["skipped"] = "; ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
     return PassResult(gm, rewritten > 0, stats)
+
+
+def _nodes_between(after: torch.fx.Node, before: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes strictly between ``after`` and ``before`` in graph order."""
+    nodes, node = [], after.next
+    while node is not before:
+        nodes.append(node)
+        node = node.next
+    return nodes
+
+
+def _trace_meta(nodes: list[torch.fx.Node], linear: torch.fx.Node) -> None:
+    """Give inserted nodes what Dynamo gives its own: an ``example_value`` (run on the fake
+    inputs) and the ``nn_module_stack`` of the head they replace, so later graph passes (the
+    micro-batch shapes and stage split of a pipeline) read them as any other node."""
+    # The mode of Dynamo's example values (not the tracing context's, which AOTAutograd uses).
+    fake_mode = next((v.fake_mode for n in nodes for a in n.all_input_nodes
+                      if isinstance(v := _value(a), FakeTensor)), None)
+    for node in nodes:
+        if "nn_module_stack" in linear.meta:
+            node.meta["nn_module_stack"] = linear.meta["nn_module_stack"]
+        if fake_mode is None:
+            continue
+        args = torch.fx.node.map_arg(node.args, _value)
+        with fake_mode:
+            if node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:])
+            else:
+                value = node.target(*args)
+        node.meta["example_value"] = value

@@ -72,7 +72,9 @@ def train_cases(rank: int, world: int, pp: int, zero: int, cases, extras: bool):
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        out = {"losses": losses, "state": full_state_dict(model)}
+        out = {"losses": losses, "state": full_state_dict(model),
+               "fused_loss": [dict(r.stats) for r in zeroc.explain(compiled).passes
+                              if r.pass_name == "fuse_linear_cross_entropy"]}
         if extras:
             plan = zeroc.explain(compiled)
             out["plan"] = str(plan)
@@ -106,6 +108,8 @@ def check(cases, results, world: int, pp: int) -> None:
             for d in range(dp):
                 assert per_rank[pipeline_rank * dp + d]["losses"] == per_rank[d]["losses"]
         assert_tensors_match(state, per_rank[0]["state"], f"{kind} {schedule} parameters")
+        # Every rank rewrote the head + loss (the last stage runs zeroc::linear_cross_entropy).
+        assert all(r["fused_loss"] == [{"rewritten": "1"}] for r in per_rank), (kind, schedule)
 
 
 # Every schedule on GPT and Llama, at pp=2 and pp=4 (8 layers: dualpipev's 2P stages).
