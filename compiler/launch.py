@@ -19,10 +19,12 @@ where forkserver is unavailable), so only the first call pays for importing torc
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -56,6 +58,7 @@ def _rank_main(
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    faulthandler.enable()  # a crash (e.g. SIGSEGV) prints every thread's Python stack
     try:
         store = dist.TCPStore(
             _HOST, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60)
@@ -155,10 +158,7 @@ def _collect(
                 if r not in values and not p.is_alive() and p.exitcode not in (0, None)
             ]
             if dead and not failures and results.empty():
-                raise RankError(
-                    f"rank {dead[0]} exited with code {processes[dead[0]].exitcode} "
-                    "without reporting a result"
-                ) from None
+                raise RankError(_silent_rank(dead[0], processes[dead[0]], world_size)) from None
             continue
         if ok:
             values[rank] = pickle.loads(value)
@@ -168,10 +168,28 @@ def _collect(
         failures.append((rank, value))
         values[rank] = None
     if failures:
-        raise RankError(
-            "\n".join(f"rank {rank} of {world_size} raised:\n{trace}" for rank, trace in failures)
-        )
+        # A rank that crashed (a signal) or still runs is usually the cause of the others'
+        # errors ("Connection closed by peer"), so it is named first.
+        silent = [_silent_rank(r, processes[r], world_size) for r in range(world_size)
+                  if r not in values]
+        raised = [f"rank {rank} of {world_size} raised:\n{trace}" for rank, trace in failures]
+        raise RankError("\n".join(silent + raised))
     return [values[r] for r in range(world_size)]
+
+
+def _silent_rank(rank: int, process: Any, world_size: int) -> str:
+    """What became of a rank that reported nothing: its exit code or signal, or still running."""
+    if process.is_alive():
+        return f"rank {rank} of {world_size} had not finished (no result, no error)"
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"rank {rank} of {world_size} {how} without reporting a result"
 
 
 def _stop(processes: list) -> None:

@@ -3,6 +3,8 @@ multi-rank harness the distributed tests rely on."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -194,3 +196,28 @@ def test_harness_kills_ranks_past_the_timeout() -> None:
     with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish within 6 s"):
         run_ranks(_sleep_on_rank_one, 2, timeout=6)
     assert time.monotonic() - started < 40
+
+
+def _crash_rank_one(rank: int, world: int, after_s: float) -> int:
+    if rank == 1:
+        time.sleep(after_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if after_s:
+        raise RuntimeError("rank zero lost its peer")
+    time.sleep(30)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_harness_names_a_crashed_rank() -> None:
+    with pytest.raises(RankError, match=r"^rank 1 of 2 was killed by SIGKILL without "
+                                        r"reporting a result$"):
+        run_ranks(_crash_rank_one, 2, 0.0, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_harness_names_a_crashed_rank_before_the_errors_it_caused() -> None:
+    # Rank 0's error comes first; rank 1 dies within the grace period that follows it.
+    with pytest.raises(RankError, match=r"(?s)^rank 1 of 2 was killed by SIGKILL without "
+                                        r"reporting a result\nrank 0 of 2 raised:.*lost its peer"):
+        run_ranks(_crash_rank_one, 2, 0.5, timeout=30)
