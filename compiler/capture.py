@@ -70,6 +70,16 @@ def _graph_device(example_inputs: list[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def run_dynamo_passes(gm: torch.fx.GraphModule, config: Config, record: CompiledGraph,
+                      device: torch.device, **extras: Any) -> torch.fx.GraphModule:
+    """Run ``DYNAMO_PASSES`` on a Dynamo graph, recording them as ``<prefix>.dynamo``."""
+    ctx = PassContext(config=config, graph_name=f"{record.prefix}.dynamo", kind="dynamo",
+                      device=device, extras=extras)
+    gm, records = run_passes(gm, ctx, DYNAMO_PASSES, record=config.record_graphs)
+    record.passes.extend(pass_infos(records))
+    return gm
+
+
 def compile_dynamo_graph(
     gm: torch.fx.GraphModule,
     example_inputs: list[Any],
@@ -84,10 +94,7 @@ def compile_dynamo_graph(
     record.device = str(device)
     input_names = _input_names(gm)
     session.add(record)
-    dynamo_ctx = PassContext(config=config, graph_name=f"{prefix}.dynamo", kind="dynamo",
-                             device=device)
-    gm, dynamo_records = run_passes(gm, dynamo_ctx, DYNAMO_PASSES, record=config.record_graphs)
-    record.passes.extend(pass_infos(dynamo_records))
+    gm = run_dynamo_passes(gm, config, record, device)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

@@ -31,13 +31,13 @@ from torch import nn
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from zeroc.capture import parameter_infos, source_name
+from zeroc.capture import parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
-from zeroc.passes.pipeline import DYNAMO_PASSES, GRAPH_PASSES, JOINT_PASSES
+from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
 from zeroc.passes.schedule import build_schedule
 from zeroc.passes.split_stages import StageSplit, split_stages
 from zeroc.passes.split_weight_grad import split_weight_grad
@@ -181,10 +181,7 @@ def _compile_pipeline(
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
     # Stage graphs are always traced for training (a no_grad call runs their forwards only).
-    dynamo_ctx = PassContext(config=config, graph_name=f"{prefix}.dynamo", kind="dynamo",
-                             device=device, extras={"need_grad": True})
-    gm, dynamo_records = run_passes(gm, dynamo_ctx, DYNAMO_PASSES, record=config.record_graphs)
-    record.passes.extend(pass_infos(dynamo_records))
+    gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
     mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, batch // microbatches)
     split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     position = layout.mesh.pp_index
