@@ -17,13 +17,30 @@ if TYPE_CHECKING:
     from zeroc.config import Config
     from zeroc.explain import explain
     from zeroc.runtime.plan import Plan
+    from zeroc.runtime.zero_ops import MixedPrecision
+    from zeroc.training import clip_grad_norm_, no_sync, set_requires_gradient_sync
 
-__all__ = ["Config", "Plan", "explain", "full_state_dict", "load_full_state_dict", "parallelize"]
+__all__ = [
+    "Config",
+    "MixedPrecision",
+    "Plan",
+    "clip_grad_norm_",
+    "explain",
+    "full_state_dict",
+    "load_full_state_dict",
+    "no_sync",
+    "parallelize",
+    "set_requires_gradient_sync",
+]
 
 _LAZY = {
     "Config": ("zeroc.config", "Config"),
+    "MixedPrecision": ("zeroc.runtime.zero_ops", "MixedPrecision"),
     "Plan": ("zeroc.runtime.plan", "Plan"),
+    "clip_grad_norm_": ("zeroc.training", "clip_grad_norm_"),
     "explain": ("zeroc.explain", "explain"),
+    "no_sync": ("zeroc.training", "no_sync"),
+    "set_requires_gradient_sync": ("zeroc.training", "set_requires_gradient_sync"),
 }
 
 

@@ -39,10 +39,12 @@ def source_name(placeholder: torch.fx.Node) -> str:
     if source is None:
         return placeholder.name
     text = source.name() if callable(source.name) else str(source.name)
-    parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", text)
+    # A zeroc-parallelized parameter is read from its flat buffer, ``module.__dict__[
+    # '_zeroc_flat_<name>']``: it reads as the parameter's name.
+    parts = re.findall(
+        r"\.(?:_modules|_parameters|_buffers|__dict__)\['(?:_zeroc_flat_)?([^']+)'\]", text)
     if parts:
-        # A parametrized parameter (zeroc.parallelize) reads as its original name.
-        return re.sub(r"\.parametrizations\.([^.]+)\.original$", r".\1", ".".join(parts))
+        return ".".join(parts)
     match = re.fullmatch(r"L\['([^']+)'\]", text)
     return match.group(1) if match else text
 
@@ -93,6 +95,8 @@ def compile_dynamo_graph(
     device = _graph_device(example_inputs)
     record.device = str(device)
     input_names = _input_names(gm)
+    # ZeRO-1 parameters use stage-0 ops: the model's stage comes from its layout.
+    layout = next((v._zeroc_layout for v in example_inputs if hasattr(v, "_zeroc_layout")), None)
     session.add(record)
     gm = run_dynamo_passes(gm, config, record, device)
 
@@ -115,7 +119,8 @@ def compile_dynamo_graph(
             name = f"{prefix}.{kind}"
             zero, zero_group = _zero_markers(graph)
             if zero_group:
-                record.zero, record.zero_group = max(record.zero, zero), zero_group
+                record.zero = layout.zero if layout is not None else max(record.zero, zero)
+                record.zero_group = zero_group
             ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
                               extras={"input_names": input_names, "zero_group": zero_group})
             graph, pass_records = run_passes(graph, ctx, GRAPH_PASSES,
@@ -123,7 +128,7 @@ def compile_dynamo_graph(
             text = graph_text(graph)
             group_name = ctx.extras.get("zero_group", "")
             if group_name:
-                check_same_graph(name, text, group_name)
+                check_same_graph(name, text, group_name, device)
             record.graphs.append(graph_info(graph, name, kind, text))
             record.kernels.extend(ctx.kernels)
             record.collectives.extend(ctx.collectives)

@@ -1,45 +1,43 @@
 """``zeroc.parallelize``: shard a model's parameters in place for ZeRO data parallelism.
 
-Stages 1-3: every parameter is replaced by this rank's flat shard (an ``nn.Parameter``, the
-tensor the optimizer sees) behind a ``torch.nn.utils.parametrize`` parametrization whose forward
-is ``zeroc::unshard``; its backward ``zeroc::reduce_grad`` lands the averaged gradient shard in
-``shard.grad``. In eager mode every stage gathers a weight where it is used; the stages differ
-in how gradients are reduced (stage 1 all-reduces full gradients, stages 2-3 reduce-scatter).
-Where weights stay resident and when they are gathered again is decided by the compiler.
+After ``parallelize(model, zero=S)`` every parameter of ``model`` is an ``nn.Parameter`` of its
+original name and shape. With a process group and S >= 1 it holds a DTensor on the mesh's
+``dp`` dimension with placement ``Shard(0)`` (FSDP2's layout: rank ``i`` owns rows
+``[i*c, (i+1)*c)`` of dimension 0, ``c = ceil(d0 / dp)``; a 0-d parameter is ``Replicate()``),
+so optimizers, ``clip_grad_norm_``, ``state_dict`` and DCP work as with FSDP2. At stage 0 (and
+without a process group) parameters stay plain tensors. How a module reads its weights in the
+forward, and how gradients reach the parameters, is described in ``zeroc.sharded_params``.
 
-Stage 0 is plain data parallelism: the "shard" is the whole flat parameter, unshard only
-reshapes it, and its backward ``zeroc::reduce_grad`` all-reduces (averages) the gradient over
-the data-parallel group, so the compiler sees the reduction in the graph and buckets it.
+The stages (what each holds between steps, for Ψ fp32 parameters with AdamW on N ranks):
 
-Naming: ``model.named_parameters()`` shows the shards as ``<module>.parametrizations.<name>
-.original`` (torch's parametrize names); ``model.state_dict()`` keeps the original keys (e.g.
-``blocks.0.fc.weight``) with the LOCAL SHARD as value, and ``load_state_dict`` accepts such a
-dict. ``zeroc.full_state_dict`` / ``zeroc.load_full_state_dict`` deal in full tensors.
+- 0: data parallel; whole parameters and gradients, gradients all-reduced: 16Ψ.
+- 1: whole parameters and gradients (gradients all-reduced, as DDP), optimizer state for this
+  rank's rows only; one all-gather after ``optimizer.step()`` shares the updated rows: 8Ψ + 8Ψ/N.
+- 2: FSDP's SHARD_GRAD_OP: parameters gathered once per forward and kept for the backward,
+  gradients reduce-scattered: 16Ψ/N at rest.
+- 3: FSDP's FULL_SHARD: parameters gathered where used and again in the backward: 16Ψ/N.
 
-Tied parameters (one ``nn.Parameter`` in several modules) become one shard shared by a
-parametrization on each owner; autograd sums the gradient contributions into that shard.
+Tied parameters (one ``nn.Parameter`` in several modules) stay one parameter; autograd sums
+the gradient contributions.
 
 Meta-device models: for each module in ``model.modules()`` order whose direct parameters are
-on the meta device, those parameters are allocated full-size on the compute device and the
-module's own ``reset_parameters()`` fills them (a parameter already materialized through a tie
-gets a scratch tensor, so the random stream advances exactly as during a normal construction);
-the full tensor is then cut and only this rank's shard is kept. For models whose parameters live
-in leaf modules with ``reset_parameters()`` (Linear, Embedding, LayerNorm, ...) this reproduces
-a normal initialization under the same seed. A meta parameter whose module has no
-``reset_parameters()`` and meta buffers are errors. On every path each parameter is broadcast
-from the first rank of its data-parallel group, so all replicas start identical.
+on the meta device, those parameters are allocated full-size on the compute device and filled
+by ``init_fn(module)``, the model's own per-module initializer or the module's
+``reset_parameters()`` (see ``zeroc.meta_init``); the full tensor is then cut and only this
+rank's rows are kept, so a rank never holds the whole model. On every path each parameter is
+broadcast from the first rank of its data-parallel group, so all replicas start identical.
 
-``mixed_precision="bf16"``: shards stay fp32 (the optimizer's master copy); the shard is cast to
-bf16 before the gather (half the traffic), compute runs in bf16, gradients are reduced in bf16
-and the cast's backward returns them to the fp32 shards. Floating-point inputs of the model's
-forward are cast to bf16 by a forward pre-hook.
+``mixed_precision``: ``zeroc.MixedPrecision(param_dtype=..., reduce_dtype=..., output_dtype=...)``
+as FSDP2's ``MixedPrecisionPolicy``, or ``"bf16"`` for ``MixedPrecision(param_dtype=bfloat16)``.
+The shards stay fp32 (the optimizer's master copy) and are cast before the gather.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Container
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,47 +48,30 @@ from torch.utils._pytree import tree_map
 from zeroc.runtime.mesh import Mesh, build_mesh
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
+    MixedPrecision,
     ParamShard,
     ZeroLayout,
+    local_rows_for,
     padded_numel_for,
+    row_numel,
+    rows_per_shard,
     shard_of,
-    unshard,
+)
+from zeroc.sharded_params import (
+    ShardedParam,
+    UnshardSpec,
+    ZeroState,
+    ensure_step_hook,
+    finish_modules,
+    install,
+    set_requires_gradient_sync,
 )
 
-__all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES"]
+__all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
 
 LAYOUT_ATTR = "_zeroc_layout"
 PARAM_ATTR = "_zeroc_param"
 MIXED_PRECISION_MODES = (None, "bf16")
-_COMPUTE_DTYPES = {None: None, "bf16": torch.bfloat16}
-
-
-class UnshardParametrization(nn.Module):
-    """``module.<name>`` = the full weight gathered from this rank's flat shard."""
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        numel: int,
-        group_name: str,
-        zero_stage: int,
-        compute_dtype: torch.dtype | None,
-    ) -> None:
-        super().__init__()
-        self.shape = tuple(shape)
-        self.numel = numel
-        self.group_name = group_name
-        self.zero_stage = zero_stage
-        self.compute_dtype = compute_dtype
-
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        """Gather the full weight (in the compute dtype when one is set)."""
-        if self.compute_dtype is not None:
-            shard = shard.to(self.compute_dtype)
-        return unshard(shard, self.shape, self.numel, self.group_name, self.zero_stage)
-
-    def extra_repr(self) -> str:
-        return f"shape={self.shape}, zero={self.zero_stage}, group={self.group_name!r}"
 
 
 def layout_of(model: nn.Module) -> ZeroLayout | None:
@@ -98,7 +79,18 @@ def layout_of(model: nn.Module) -> ZeroLayout | None:
     return getattr(model, LAYOUT_ATTR, None)
 
 
-def _validate(model: nn.Module, zero: int, mixed_precision: str | None) -> None:
+def _policy(mixed_precision: Any) -> MixedPrecision | None:
+    if mixed_precision is None or isinstance(mixed_precision, MixedPrecision):
+        return mixed_precision
+    if mixed_precision == "bf16":
+        return MixedPrecision(param_dtype=torch.bfloat16)
+    raise ValueError(
+        f"mixed_precision={mixed_precision!r} is not allowed: use None, 'bf16' or "
+        "zeroc.MixedPrecision(param_dtype=..., reduce_dtype=..., output_dtype=...)"
+    )
+
+
+def _validate(model: nn.Module, zero: int) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={type(model).__name__} is not allowed: pass an nn.Module")
     existing = layout_of(model)
@@ -109,10 +101,6 @@ def _validate(model: nn.Module, zero: int, mixed_precision: str | None) -> None:
         )
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not allowed: zero must be one of 0, 1, 2, 3")
-    if mixed_precision not in MIXED_PRECISION_MODES:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not allowed: use None or 'bf16'"
-        )
     seen: set[int] = set()
     for path, module in model.named_modules():
         if parametrize.is_parametrized(module):
@@ -179,32 +167,6 @@ def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return tensor
 
 
-def _state_dict_hooks(module: nn.Module, renamed: tuple[str, ...]) -> None:
-    """Keep original keys (``fc.weight``) in ``state_dict``/``load_state_dict`` of ``module``."""
-    order = tuple(n for n, p in module._parameters.items() if p is not None) + renamed
-    stored = {n: f"parametrizations.{n}.original" for n in renamed}
-
-    def save_original_names(mod, state_dict, prefix, local_metadata) -> None:
-        subtree = [k for k in state_dict if k.startswith(prefix)]
-        items = {k: state_dict.pop(k) for k in subtree}
-        for name in renamed:
-            key = prefix + stored[name]
-            if key in items:
-                items[prefix + name] = items.pop(key)
-        for name in dict.fromkeys(order):
-            if prefix + name in items:
-                state_dict[prefix + name] = items.pop(prefix + name)
-        state_dict.update(items)
-
-    def load_original_names(mod, state_dict, prefix, *unused) -> None:
-        for name in renamed:
-            if prefix + name in state_dict:
-                state_dict[prefix + stored[name]] = state_dict.pop(prefix + name)
-
-    module.register_state_dict_post_hook(save_original_names)
-    module.register_load_state_dict_pre_hook(load_original_names)
-
-
 def _cast_inputs_hook(dtype: torch.dtype):
     def cast(value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -217,103 +179,127 @@ def _cast_inputs_hook(dtype: torch.dtype):
     return cast_inputs
 
 
+def _cast_outputs_hook(dtype: torch.dtype):
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
+    def cast_outputs(module, args, output):
+        return tree_map(cast, output)
+
+    return cast_outputs
+
+
 def parallelize(
-    model: nn.Module, zero: int = 3, pp: int = 1, mixed_precision: str | None = None
+    model: nn.Module,
+    zero: int = 3,
+    pp: int = 1,
+    mixed_precision: MixedPrecision | str | None = None,
+    *,
+    mesh: Any = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place over the data-parallel group; return ``model``.
 
     ``zero`` is the ZeRO stage (0: replicate and average gradients; 1: shard optimizer state;
     2: + gradients; 3: + parameters). ``pp`` pipeline positions split the world into
     ``world // pp`` data-parallel ranks each (the pipeline split itself is done by the
-    compiler). ``mixed_precision`` is ``None`` or ``"bf16"``. Without an initialized process
-    group the world is one rank. Every rank must call this with the same arguments on the same
-    model definition. The result is recorded as ``model._zeroc_layout`` (a ``ZeroLayout``); each
-    parameter the optimizer sees carries the same ``_zeroc_layout`` and its own ``ParamShard`` as
-    ``_zeroc_param``, so a compiler handed only the parameters can find both.
+    compiler). ``mesh``: a ``DeviceMesh`` with dimensions ``("pp", "dp")`` or ``("dp",)``
+    (e.g. from ``init_device_mesh``); without one it is built from the default process group.
+    ``mixed_precision``: ``None``, ``"bf16"`` or a ``zeroc.MixedPrecision``. Without an
+    initialized process group the world is one rank. Every rank must call this with the same
+    arguments on the same model definition. The result is recorded as
+    ``model._zeroc_layout`` (a ``ZeroLayout``); each flat buffer the compiled graphs read
+    carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
     """
-    _validate(model, zero, mixed_precision)
-    mesh = build_mesh(pp)
-    compute_dtype = _COMPUTE_DTYPES[mixed_precision]
+    _validate(model, zero)
+    policy = _policy(mixed_precision)
     device = _materialize_device()
-    entries: dict[int, _Entry] = {}  # id(original parameter) -> what replaced it
-    renamed_by_module: list[tuple[nn.Module, tuple[str, ...]]] = []
-    wrapped = True
+    mesh_ = build_mesh(pp, mesh, device.type)
+    # id(original parameter) -> (the original, kept alive so ids stay unique; its replacement;
+    # every (module, local name) owning it; every name it is known by)
+    entries: dict[int, tuple[nn.Parameter, ShardedParam, list[tuple[nn.Module, str]],
+                             list[str]]] = {}
+    modules: dict[nn.Module, list[str]] = {}
     for path, module in list(model.named_modules()):
         fresh = _materialize_direct(module, device, entries)
-        renamed: list[str] = []
         for local, param in list(module._parameters.items()):
             if param is None:
                 continue
-            entry = entries.get(id(param))
-            if entry is not None:
-                entry.names.append(_join(path, local))
-            else:
-                full = _broadcast_from_dp_root(fresh.get(local, param), mesh)
-                entry = _Entry(
-                    replacement=_replacement(param, full, zero, mesh),
-                    names=[_join(path, local)],
-                    param_name=_join(path, f"parametrizations.{local}.original")
-                    if wrapped
-                    else _join(path, local),
-                    shape=tuple(param.shape),
-                )
-                entries[id(param)] = entry
-            module._parameters[local] = entry.replacement
-            parametrization: nn.Module = UnshardParametrization(
-                entry.shape, param.numel(), mesh.dp_group_name, zero, compute_dtype
-            )
-            parametrize.register_parametrization(module, local, parametrization, unsafe=True)
-            renamed.append(local)
-        if renamed:
-            renamed_by_module.append((module, tuple(renamed)))
-    for module, renamed in renamed_by_module:
-        _state_dict_hooks(module, renamed)
-    if compute_dtype is not None:
-        model.register_forward_pre_hook(_cast_inputs_hook(compute_dtype), with_kwargs=True)
+            if id(param) not in entries:
+                # Sharded at once: the full tensor is freed before the next module's.
+                full = _broadcast_from_dp_root(fresh.pop(local, param), mesh_)
+                entries[id(param)] = (param, _shard(param, full, zero, mesh_, policy), [], [])
+            entries[id(param)][2].append((module, local))
+            entries[id(param)][3].append(_join(path, local))
+            modules.setdefault(module, []).append(local)
+    state = ZeroState(params=[])
+    for _, sharded, owners, known_as in entries.values():
+        sharded.record = dataclasses.replace(
+            sharded.record, name=known_as[0], param_name=known_as[0],
+            tied_names=tuple(known_as[1:]))
+        install(owners, sharded)
+        state.params.append(sharded)
+    finish_modules(model, modules, state)
+    if zero == 1:
+        ensure_step_hook()
+    if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+        model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)
+    if policy is not None and policy.output_dtype is not None:
+        model.register_forward_hook(_cast_outputs_hook(policy.output_dtype))
     layout = ZeroLayout(
-        zero=zero,
-        pp=mesh.pp,
-        dp=mesh.dp,
-        world=mesh.world,
-        mixed_precision=mixed_precision,
-        mesh=mesh,
-        params=tuple(entry.record(zero, mesh.dp) for entry in entries.values()),
+        zero=zero, pp=mesh_.pp, dp=mesh_.dp, world=mesh_.world, mixed_precision=policy,
+        mesh=mesh_, params=tuple(s.record for s in state.params),
     )
     setattr(model, LAYOUT_ATTR, layout)
-    # The backend finds the layout (pp, mesh) from the parameters Dynamo hands it.
-    for entry, record in zip(entries.values(), layout.params, strict=True):
-        setattr(entry.replacement, LAYOUT_ATTR, layout)
-        setattr(entry.replacement, PARAM_ATTR, record)
+    model.__dict__["_zeroc_state"] = state
+    # FSDP2's name for the gradient-sync switch, as a method of the parallelized model.
+    model.__dict__["set_requires_gradient_sync"] = functools.partial(
+        set_requires_gradient_sync, state)
+    # The backend finds the layout (pp, mesh) from the flat buffers Dynamo hands it.
+    for sharded in state.params:
+        setattr(sharded.flat, LAYOUT_ATTR, layout)
+        setattr(sharded.flat, PARAM_ATTR, sharded.record)
     return model
 
 
-@dataclasses.dataclass
-class _Entry:
-    """A parameter being parallelized: its replacement and every name it is known by."""
-
-    replacement: nn.Parameter
-    names: list[str]
-    param_name: str
-    shape: tuple[int, ...]
-
-    def record(self, zero: int, dp: int) -> ParamShard:
-        numel = math.prod(self.shape)
-        return ParamShard(
-            name=self.names[0],
-            param_name=self.param_name,
-            tied_names=tuple(self.names[1:]),
-            shape=self.shape,
-            dtype=str(self.replacement.dtype).removeprefix("torch."),
-            numel=numel,
-            padded_numel=numel if zero == 0 else padded_numel_for(numel, dp),
-            shard_numel=self.replacement.numel(),
-            requires_grad=self.replacement.requires_grad,
-        )
-
-
-def _replacement(
-    param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh
-) -> nn.Parameter:
-    """The parameter that stands for ``param`` on this rank: its flat shard (stage 0: all of it)."""
-    dp, index = (mesh.dp, mesh.dp_index) if zero > 0 else (1, 0)
-    return nn.Parameter(shard_of(full, dp, index), param.requires_grad)
+def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
+           policy: MixedPrecision | None) -> ShardedParam:
+    """The flat buffer, visible parameter and record that stand for ``param`` on this rank."""
+    shape = tuple(param.shape)
+    numel = full.numel()
+    distributed = mesh.dp_device_mesh is not None
+    if zero == 0 or not distributed:
+        placement, op_stage = "plain", 0
+    elif full.dim() == 0:
+        placement, op_stage = "replicate", 0
+    else:
+        placement, op_stage = "shard", (0 if zero == 1 else zero)
+    dp, index = mesh.dp, mesh.dp_index
+    if op_stage in (2, 3):
+        flat = shard_of(full, dp, index)
+        padded, offset = padded_numel_for(shape, dp), 0
+    else:
+        flat = full.detach().reshape(-1).clone()
+        padded = numel
+        offset = index * rows_per_shard(shape, dp) * row_numel(shape) if placement == "shard" else 0
+    local_rows = local_rows_for(shape, dp, index) if placement == "shard" else (
+        shape[0] if shape else 1)
+    record = ParamShard(
+        name="", param_name="", tied_names=(), shape=shape,
+        dtype=str(full.dtype).removeprefix("torch."), numel=numel, padded_numel=padded,
+        shard_numel=flat.numel(), requires_grad=param.requires_grad,
+        sharded=placement == "shard", op_stage=op_stage, local_rows=local_rows,
+    )
+    spec = UnshardSpec(
+        shape=shape, numel=numel, group_name=mesh.dp_group_name if distributed else "",
+        op_stage=op_stage, param_dtype=policy.param_dtype if policy else None,
+        reduce_dtype=policy.reduce_dtype if policy else None,
+    )
+    flat = nn.Parameter(flat, requires_grad=param.requires_grad)
+    sharded = ShardedParam(record=record, flat=flat, visible=None, spec=spec,  # type: ignore
+                           local_offset=offset, dp_mesh=mesh.dp_device_mesh,
+                           placement=placement)
+    sharded.visible = nn.Parameter(sharded.wrap(sharded.local_view(flat.detach())),
+                                   requires_grad=param.requires_grad)
+    return sharded

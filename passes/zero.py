@@ -9,9 +9,12 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
   needed (``config.prefetch``) and waited right before bucket ``k`` is first needed, so the
   transfer overlaps the compute in between; every gathered tensor dies after its last use.
 - reduce_grad buckets: the padded gradients are laid out rank-major, then one
-  ``reduce_scatter_tensor`` (stages 2, 3) or ``all_reduce`` + ``zeroc.local_rows`` (stage 1)
-  or ``all_reduce`` (stage 0) is issued as soon as the bucket's last gradient exists, and
-  waited at the end of the graph. The sum is divided by the group size (mean over ranks).
+  ``reduce_scatter_tensor`` (stages 2, 3) or ``all_reduce`` (stage 0, which ZeRO-1's whole
+  gradients use too) is issued as soon as the bucket's last gradient exists, and waited
+  before its first reader. The sum is divided by the group size (mean over ranks).
+- Mixed precision: an unshard's ``param_dtype`` is applied to the shard right before the
+  gather (half the traffic in bf16); the backward's cast to ``reduce_dtype`` is already in
+  the graph before ``reduce_grad``.
 
 Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wait points).
 """
@@ -27,7 +30,6 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-import zeroc.runtime.collectives  # noqa: F401  (registers zeroc::local_rows)
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard / reduce_grad)
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.collectives import collective_bytes, functional
@@ -35,6 +37,7 @@ from zeroc.runtime.records import CollectiveInfo
 from zeroc.runtime.zero_ops import group_size
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 UNSHARD = torch.ops.zeroc.unshard.default
 REDUCE_GRAD = torch.ops.zeroc.reduce_grad.default
 
@@ -73,6 +76,12 @@ def _buckets(nodes: Sequence[torch.fx.Node], key: Callable[[torch.fx.Node], Any]
 
 def _order(node: torch.fx.Node) -> int:
     return node.meta["_zeroc_order"]
+
+
+def gather_dtype(mark: torch.fx.Node) -> torch.dtype:
+    """The dtype an unshard gathers in: its ``param_dtype`` argument, else the shard's."""
+    param_dtype = mark.args[5] if len(mark.args) > 5 else mark.kwargs.get("param_dtype")
+    return param_dtype or mark.args[0].meta["val"].dtype
 
 
 class _Builder:
@@ -156,9 +165,9 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
     names = ctx.extras.get("input_names", {})
     buckets = _buckets(
         sorted(marks, key=lambda n: n.meta["_zeroc_first_use"]),
-        key=lambda n: (n.args[3], n.args[4], n.args[0].meta["val"].dtype,
+        key=lambda n: (n.args[3], n.args[4], gather_dtype(n),
                        module_unit(_param_name(n, names))),
-        size=lambda n: n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size()
+        size=lambda n: n.args[0].meta["val"].numel() * gather_dtype(n).itemsize
         * group_size(n.args[3]),
         cap=cap,
     )
@@ -171,12 +180,18 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
         early = buckets[max(0, index - prefetch)]
         issue_at = nodes[min(n.meta["_zeroc_first_use"] for n in early.nodes)]
         shards = [n.args[0] for n in bucket.nodes]
+        # Named before the marks are erased below.
+        bucket_params = tuple(_param_name(n, names) for n in bucket.nodes)
         # The shards must exist where the gather is issued: hoist what computes them from
         # the inputs (e.g. the bf16 cast of a shard) up to the issue point.
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         for shard in shards:
             _hoist(shard, issue_at, position)
         with gm.graph.inserting_before(issue_at):
+            # Mixed precision: cast each shard to the gather dtype where the gather is issued.
+            shards = [s if s.meta["val"].dtype == bucket.key[2] else
+                      build.call(prims.convert_element_type.default, s, bucket.key[2])
+                      for s in shards]
             flat = shards[0] if len(shards) == 1 else build.call(aten.cat.default, shards)
             issued = build.call(functional.all_gather_into_tensor.default, flat, dp, group_name)
         with gm.graph.inserting_before(need):
@@ -198,7 +213,7 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
                 gm.graph.erase_node(mark)
         ctx.collectives.append(CollectiveInfo(
             name=f"{ctx.graph_name}.gather{index}", graph=ctx.graph_name, op="all_gather",
-            group=group_name, params=tuple(_param_name(n, names) for n in bucket.nodes),
+            group=group_name, params=bucket_params,
             bytes=collective_bytes("all_gather", 0, bucket.nbytes),
             issued_at=issue_at.name, waited_at=need.name))
     return len(buckets)
@@ -296,8 +311,6 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
         with gm.graph.inserting_before(wait_at):
             reduced = build.call(functional.wait_tensor.default, issued)
             mean = build.call(aten.div.Tensor, reduced, dp)
-            if stage == 1:
-                mean = build.call(torch.ops.zeroc.local_rows.default, mean, dp, group_name)
             offset = 0
             for mark, width in zip(bucket.nodes, widths, strict=True):
                 part = mean if len(widths) == 1 else build.call(
@@ -327,6 +340,9 @@ def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
             if shard.meta["val"].numel() != numel:
                 flat = build.call(aten.slice.Tensor, shard, 0, 0, numel)
             param = build.call(aten.view.default, flat, shape)
+            if gather_dtype(mark) != shard.meta["val"].dtype:
+                param = build.call(prims.convert_element_type.default, param,
+                                   gather_dtype(mark))
         mark.replace_all_uses_with(param)
         gm.graph.erase_node(mark)
         lowered += 1

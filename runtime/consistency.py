@@ -16,6 +16,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zeroc.runtime.mesh import resolve_group
 
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; 2.11 has only
+# the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class PlanMismatchError(RuntimeError):
     """Ranks of one group compiled different graphs."""
@@ -26,10 +30,13 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def check_same_graph(name: str, text: str, group_name: str) -> str:
+def check_same_graph(name: str, text: str, group_name: str,
+                     device: torch.device | None = None) -> str:
     """All-gather the digest of ``text`` over the group; raise on every rank if they differ.
 
-    Returns the digest. Without a group (``""``) or a process group, nothing is compared.
+    ``device`` is where the exchanged record lives: the graph's device (an NCCL group has no
+    CPU backend); the CPU when not given. Returns the digest. Without a group (``""``) or a
+    process group, nothing is compared.
     """
     digest = text_digest(text)
     group = resolve_group(group_name)
@@ -37,7 +44,7 @@ def check_same_graph(name: str, text: str, group_name: str) -> str:
         return digest
     # Compilation runs under a fake-tensor mode; the exchange needs real tensors.
     with unset_fake_temporarily():
-        return _compare(name, text, digest, group)
+        return _compare(name, text, digest, group, device or torch.device("cpu"))
 
 
 # Lines whose hashes travel with the digest: enough to name the first difference of any graph
@@ -59,12 +66,13 @@ def _record(text: str) -> torch.Tensor:
     return record
 
 
-def _compare(name: str, text: str, digest: str, group: dist.ProcessGroup) -> str:
+def _compare(name: str, text: str, digest: str, group: dist.ProcessGroup,
+             device: torch.device) -> str:
     size = dist.get_world_size(group)
-    mine = _record(text)
-    everyone = torch.empty(size * mine.numel(), dtype=torch.int64)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    records = everyone.view(size, -1)
+    mine = _record(text).to(device)
+    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=group)
+    records = everyone.view(size, -1).cpu()
     odd = next((i for i in range(1, size) if not torch.equal(records[i, :2], records[0, :2])),
                None)
     if odd is None:

@@ -5,14 +5,19 @@ Global rank ``r`` sits at pipeline position ``r // dp`` and data-parallel index 
 data-parallel group holds the ``dp`` ranks of one pipeline position; a pipeline group holds
 the ``pp`` ranks that share a data-parallel index.
 
-Without an initialized process group the mesh is a single rank (world 1) and no group exists.
-Groups are created once per (default group, pp) and reused: ``torch.distributed.new_group``
-is collective, so every rank creates every group in the same order.
+The groups are those of a ``torch.distributed.device_mesh.DeviceMesh`` with dimensions named
+``("pp", "dp")``: the user's own (``parallelize(..., mesh=...)``, any rank order, ``pp`` may be
+absent) or one built here with ``init_device_mesh``. The mesh's ``dp`` dimension is also the
+mesh of the parameters' DTensors. Without an initialized process group the mesh is a single
+rank (world 1), no group and no DeviceMesh exist. A built mesh is cached per (default group,
+pp, device type): group creation is collective, so every rank creates every group in the same
+order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -39,6 +44,9 @@ class Mesh:
     dp_group_ranks: tuple[int, ...]
     pp_group_name: str
     pp_group_ranks: tuple[int, ...]
+    # The 1-D DeviceMesh of the data-parallel dimension, the mesh of the parameters'
+    # DTensors (None without a process group); not part of equality.
+    dp_device_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     def dp_group(self) -> ProcessGroup | None:
         """The data-parallel process group of this rank, or ``None`` when ``dp == 1``."""
@@ -68,9 +76,9 @@ def pp_ranks_of(dp_index: int, pp: int, dp: int) -> tuple[int, ...]:
     return tuple(p * dp + dp_index for p in range(pp))
 
 
-# (default group object, pp) -> Mesh; the group object is compared by identity so a destroyed
-# and re-initialized default group never reuses stale sub-groups.
-_MESH_CACHE: dict[int, tuple[object, Mesh]] = {}
+# (pp, device type) -> (default group object, Mesh); the group object is compared by
+# identity so a destroyed and re-initialized default group never reuses stale sub-groups.
+_MESH_CACHE: dict[tuple[int, str], tuple[object, Mesh]] = {}
 
 
 def _world_and_rank() -> tuple[int, int, object | None]:
@@ -79,13 +87,7 @@ def _world_and_rank() -> tuple[int, int, object | None]:
     return dist.get_world_size(), dist.get_rank(), dist.group.WORLD
 
 
-def build_mesh(pp: int = 1) -> Mesh:
-    """Build (or fetch the cached) mesh of ``pp`` pipeline positions over the default group.
-
-    Raises ``ValueError`` when ``pp`` is not a positive integer dividing the world size. Every
-    rank must call this with the same ``pp`` (group creation is collective).
-    """
-    world, rank, world_group = _world_and_rank()
+def _check_pp(pp: int, world: int) -> None:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"pp={pp!r} is not allowed: pp must be an integer >= 1")
     if world % pp != 0:
@@ -93,45 +95,63 @@ def build_mesh(pp: int = 1) -> Mesh:
             f"pp={pp} is not allowed: pp must divide the world size {world} "
             f"(allowed: {[d for d in range(1, world + 1) if world % d == 0]})"
         )
-    cached = _MESH_CACHE.get(pp)
-    if cached is not None and cached[0] is world_group and world_group is not None:
+
+
+def build_mesh(pp: int = 1, device_mesh: Any = None, device_type: str = "cpu") -> Mesh:
+    """This rank's (pp, dp) mesh: from the user's ``device_mesh``, or built (and cached).
+
+    Raises ``ValueError`` when ``pp`` is not a positive integer dividing the world size, or
+    when ``device_mesh`` has no ``"dp"`` dimension or disagrees with ``pp``. Every rank must
+    call this with the same arguments (group creation is collective).
+    """
+    world, rank, world_group = _world_and_rank()
+    _check_pp(pp, world)
+    if device_mesh is not None:
+        return _from_device_mesh(device_mesh, pp, world, rank)
+    if world_group is None:
+        return Mesh(world=1, pp=1, dp=1, rank=0, pp_index=0, dp_index=0, dp_group_name="",
+                    dp_group_ranks=(0,), pp_group_name="", pp_group_ranks=(0,))
+    cached = _MESH_CACHE.get((pp, device_type))
+    if cached is not None and cached[0] is world_group:
         return cached[1]
-    dp = world // pp
-    pp_index, dp_index = divmod(rank, dp)
-    dp_group_name = _create_groups(
-        [dp_ranks_of(p, pp, dp) for p in range(pp)], world, rank, dp > 1
-    )
-    pp_group_name = _create_groups(
-        [pp_ranks_of(d, pp, dp) for d in range(dp)], world, rank, pp > 1
-    )
-    mesh = Mesh(
-        world=world,
-        pp=pp,
-        dp=dp,
-        rank=rank,
-        pp_index=pp_index,
-        dp_index=dp_index,
-        dp_group_name=dp_group_name,
-        dp_group_ranks=dp_ranks_of(pp_index, pp, dp),
-        pp_group_name=pp_group_name,
-        pp_group_ranks=pp_ranks_of(dp_index, pp, dp),
-    )
-    if world_group is not None:
-        _MESH_CACHE[pp] = (world_group, mesh)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device_type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
+    mesh = _from_device_mesh(device_mesh, pp, world, rank)
+    _MESH_CACHE[(pp, device_type)] = (world_group, mesh)
     return mesh
 
 
-def _create_groups(
-    all_ranks: list[tuple[int, ...]], world: int, rank: int, needed: bool
-) -> str:
-    """Create one group per rank tuple (collectively, same order everywhere); return ours."""
-    if not needed:
-        return ""
-    if len(all_ranks) == 1 and len(all_ranks[0]) == world:
-        return dist.group.WORLD.group_name
-    mine = ""
-    for ranks in all_ranks:
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            mine = group.group_name
-    return mine
+def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int) -> Mesh:
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if "dp" not in names or any(n not in ("pp", "dp") for n in names):
+        raise ValueError(
+            f"mesh with dimensions {names} is not allowed: zeroc needs a DeviceMesh whose "
+            "dimensions are named ('pp', 'dp') or ('dp',), e.g. init_device_mesh('cuda', "
+            "(pp, dp), mesh_dim_names=('pp', 'dp'))"
+        )
+    if device_mesh.size() != world:
+        raise ValueError(f"mesh of {device_mesh.size()} ranks is not allowed: it must span "
+                         f"the whole world of {world} ranks")
+    mesh_pp = device_mesh.size(names.index("pp")) if "pp" in names else 1
+    if pp not in (1, mesh_pp):
+        raise ValueError(f"pp={pp} is not allowed with a mesh whose 'pp' dimension is "
+                         f"{mesh_pp}: pass pp={mesh_pp} or leave pp out")
+    dp = device_mesh.size(names.index("dp"))
+    dp_mesh = device_mesh["dp"] if len(names) == 2 else device_mesh
+    dp_group = dp_mesh.get_group()
+    if "pp" in names:
+        pp_group = device_mesh.get_group("pp")
+        pp_index, pp_ranks = device_mesh.get_local_rank("pp"), dist.get_process_group_ranks(
+            pp_group)
+    else:
+        pp_group, pp_index, pp_ranks = None, 0, [rank]
+    return Mesh(
+        world=world, pp=mesh_pp, dp=dp, rank=rank,
+        pp_index=pp_index, dp_index=dp_mesh.get_local_rank(),
+        dp_group_name=dp_group.group_name if dp > 1 else "",
+        dp_group_ranks=tuple(dist.get_process_group_ranks(dp_group)),
+        pp_group_name=pp_group.group_name if pp_group is not None and mesh_pp > 1 else "",
+        pp_group_ranks=tuple(pp_ranks),
+        dp_device_mesh=dp_mesh,
+    )

@@ -1,16 +1,27 @@
 """ZeRO custom ops ``zeroc::unshard`` / ``zeroc::reduce_grad`` and the sharding arithmetic.
 
-A parameter of ``numel`` elements is flattened, zero-padded to ``padded_numel`` (a multiple of
-the data-parallel size ``dp``) and cut into ``dp`` equal contiguous shards; rank ``i`` of the
-data-parallel group keeps shard ``i``.
+A sharded parameter of shape ``(d0, *rest)`` is cut along dimension 0 as FSDP2 and DTensor's
+``Shard(0)`` cut it: each of the ``dp`` ranks owns ``c = ceil(d0 / dp)`` rows (the last ranks
+fewer, possibly none). Each rank keeps its rows in a flat buffer of ``c * prod(rest)``
+elements, zero-padded at the end, so every rank holds a buffer of the same size and the
+collectives run on equal flat pieces: rank ``i``'s buffer is elements ``[i*s, (i+1)*s)`` of the
+parameter flattened and zero-padded to ``padded_numel = dp * s`` elements. A 1-D parameter is
+the special case of rows of one element. The rank's real rows (its DTensor's local tensor)
+are a view of the front of that buffer.
 
-- ``unshard(shard, shape, numel, group_name, zero_stage)`` all-gathers the shards of the group,
-  drops the padding and views the result as ``shape``.
-- ``reduce_grad(full_grad, padded_numel, group_name, zero_stage)`` is unshard's backward: it
-  returns this rank's flat gradient shard averaged over the group (stages 2 and 3:
-  reduce-scatter; stage 1: all-reduce then slice, as ZeRO-1 holds full gradients). Stage 0 is
-  plain data parallelism: the "shard" is the whole flat parameter, unshard is a reshape and
-  reduce_grad an averaging all-reduce.
+- ``unshard(shard, shape, numel, group_name, zero_stage, param_dtype, reduce_dtype)`` casts
+  the flat shard to ``param_dtype`` (when given: mixed precision gathers in the compute
+  dtype), all-gathers the shards of the group, drops the padding and views the result as
+  ``shape``.
+- Its backward casts the full gradient to ``reduce_dtype`` (when given), adds ``pending`` (the
+  gradients of micro-steps run without synchronisation, when given), calls ``reduce_grad``
+  and returns the result in the shard's own dtype, so a float32 master shard receives a
+  gradient reduced in float32 without an intermediate rounding.
+- ``reduce_grad(full_grad, padded_numel, group_name, zero_stage)`` returns this rank's flat
+  gradient shard averaged over the group (stages 2 and 3: reduce-scatter). Stage 0 is plain
+  data parallelism: the "shard" is the whole flat parameter, unshard is a reshape and
+  reduce_grad an averaging all-reduce. ZeRO-1 keeps whole parameters and gradients and uses
+  stage-0 ops; its optimizer-state sharding lives outside the graph (``zeroc.sharded_params``).
 
 With ``group_name == ""`` or a group of one rank both ops only reshape (they copy, because a
 custom op's output may not alias its input). Both have fake implementations and an autograd
@@ -21,6 +32,7 @@ formula, so Dynamo and AOTAutograd trace them as single nodes: the forward graph
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -32,6 +44,9 @@ __all__ = [
     "ZERO_STAGES",
     "padded_numel_for",
     "shard_numel_for",
+    "rows_per_shard",
+    "row_numel",
+    "local_rows_for",
     "shard_of",
     "group_size",
     "group_rank",
@@ -43,24 +58,41 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def padded_numel_for(numel: int, dp: int) -> int:
-    """``numel`` rounded up to a multiple of ``dp``."""
-    return -(-numel // dp) * dp
+def rows_per_shard(shape: tuple[int, ...], dp: int) -> int:
+    """Rows of dimension 0 each rank's buffer holds: ``ceil(shape[0] / dp)``."""
+    return -(-shape[0] // dp)
 
 
-def shard_numel_for(numel: int, dp: int) -> int:
-    """Elements in each of the ``dp`` shards of a ``numel``-element parameter."""
-    return padded_numel_for(numel, dp) // dp
+def row_numel(shape: tuple[int, ...]) -> int:
+    """Elements in one row (one index of dimension 0) of a parameter of ``shape``."""
+    return math.prod(shape[1:])
+
+
+def shard_numel_for(shape: tuple[int, ...], dp: int) -> int:
+    """Elements in each rank's (padded) flat buffer of a parameter of ``shape``."""
+    return rows_per_shard(shape, dp) * row_numel(shape)
+
+
+def padded_numel_for(shape: tuple[int, ...], dp: int) -> int:
+    """The parameter's element count padded so that ``dp`` equal buffers hold it."""
+    return dp * shard_numel_for(shape, dp)
+
+
+def local_rows_for(shape: tuple[int, ...], dp: int, index: int) -> int:
+    """Real rows rank ``index`` owns (``torch.chunk``'s and DTensor ``Shard(0)``'s split)."""
+    per = rows_per_shard(shape, dp)
+    return max(0, min(shape[0], per * (index + 1)) - per * index)
 
 
 def shard_of(full: torch.Tensor, dp: int, index: int) -> torch.Tensor:
-    """A fresh contiguous copy of shard ``index`` of ``full`` split ``dp`` ways (zero padded)."""
+    """A fresh flat copy of rank ``index``'s buffer of ``full`` split ``dp`` ways by rows."""
+    shape = tuple(full.shape)
     flat = full.detach().reshape(-1)
-    padded = padded_numel_for(flat.numel(), dp)
-    if padded != flat.numel():
-        flat = F.pad(flat, (0, padded - flat.numel()))
-    size = padded // dp
-    return flat[index * size : (index + 1) * size].clone()
+    size = shard_numel_for(shape, dp)
+    piece = flat[index * size : (index + 1) * size]
+    if piece.numel() < size:
+        piece = F.pad(piece, (0, size - piece.numel()))
+    return piece.clone()
 
 
 def group_size(group_name: str) -> int:
@@ -75,9 +107,14 @@ def group_rank(group_name: str) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+# Stages the ops take: 0 (replicated, gradients all-reduced) or 2 and 3 (sharded,
+# gradients reduce-scattered). ZeRO-1 parameters use stage-0 ops (see the module docstring).
+OP_STAGES = (0, 2, 3)
+
+
 def _check_stage(op: str, zero_stage: int) -> None:
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"zeroc::{op}: zero_stage={zero_stage!r} is not allowed (0, 1, 2 or 3)")
+    if zero_stage not in OP_STAGES:
+        raise ValueError(f"zeroc::{op}: zero_stage={zero_stage!r} is not allowed (0, 2 or 3)")
 
 
 def _ranks_for(group_name: str, zero_stage: int) -> int:
@@ -87,7 +124,9 @@ def _ranks_for(group_name: str, zero_stage: int) -> int:
 
 _LIB = torch.library.Library("zeroc", "FRAGMENT")
 _LIB.define(
-    "unshard(Tensor shard, SymInt[] shape, int numel, str group_name, int zero_stage) -> Tensor"
+    "unshard(Tensor shard, SymInt[] shape, int numel, str group_name, int zero_stage, "
+    "ScalarType? param_dtype=None, ScalarType? reduce_dtype=None, Tensor? pending=None) "
+    "-> Tensor"
 )
 _LIB.define(
     "reduce_grad(Tensor full_grad, int padded_numel, str group_name, int zero_stage) -> Tensor"
@@ -96,7 +135,9 @@ _LIB.define(
 
 @torch.library.impl(_LIB, "unshard", "CompositeExplicitAutograd")
 def _unshard(
-    shard: torch.Tensor, shape: list[int], numel: int, group_name: str, zero_stage: int
+    shard: torch.Tensor, shape: list[int], numel: int, group_name: str, zero_stage: int,
+    param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_stage("unshard", zero_stage)
     if shard.dim() != 1:
@@ -107,6 +148,8 @@ def _unshard(
             f"zeroc::unshard: {ranks} shards of {shard.numel()} elements cannot hold "
             f"numel={numel}"
         )
+    if param_dtype is not None:
+        shard = shard.to(param_dtype)
     if ranks == 1:
         return shard[:numel].view(shape).clone()
     gathered = shard.new_empty(shard.numel() * ranks)
@@ -116,9 +159,11 @@ def _unshard(
 
 @torch.library.register_fake("zeroc::unshard", lib=_LIB)
 def _unshard_fake(
-    shard: torch.Tensor, shape: list[int], numel: int, group_name: str, zero_stage: int
+    shard: torch.Tensor, shape: list[int], numel: int, group_name: str, zero_stage: int,
+    param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return shard.new_empty(shape)
+    return shard.new_empty(shape, dtype=param_dtype or shard.dtype)
 
 
 @torch.library.impl(_LIB, "reduce_grad", "CompositeExplicitAutograd")
@@ -147,12 +192,7 @@ def _reduce_grad(
         _reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=group)
         return shard.div_(dp)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    flat.div_(dp)
-    if zero_stage == 0:
-        return flat
-    size = padded_numel // dp
-    index = dist.get_rank(group)
-    return flat[index * size : (index + 1) * size].clone()
+    return flat.div_(dp)
 
 
 @torch.library.register_fake("zeroc::reduce_grad", lib=_LIB)
@@ -163,16 +203,27 @@ def _reduce_grad_fake(
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _shape, _numel, group_name, zero_stage = inputs
+    shard, _shape, _numel, group_name, zero_stage, _param_dtype, reduce_dtype, pending = inputs
     ctx.shard_numel = shard.shape[0]
+    ctx.shard_dtype = shard.dtype
     ctx.group_name = group_name
     ctx.zero_stage = zero_stage
+    ctx.reduce_dtype = reduce_dtype
+    ctx.has_pending = pending is not None
+    if pending is not None:
+        ctx.save_for_backward(pending)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
     padded = ctx.shard_numel * _ranks_for(ctx.group_name, ctx.zero_stage)
+    if ctx.reduce_dtype is not None:
+        grad = grad.to(ctx.reduce_dtype)
+    if ctx.has_pending:
+        # Gradients accumulated without synchronisation join this step's before the reduction.
+        (pending,) = ctx.saved_tensors
+        grad = grad + pending.to(grad.dtype)
     grad_shard = torch.ops.zeroc.reduce_grad(grad, padded, ctx.group_name, ctx.zero_stage)
-    return grad_shard, None, None, None, None
+    return grad_shard.to(ctx.shard_dtype), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -181,10 +232,16 @@ torch.library.register_autograd(
 
 
 def unshard(
-    shard: torch.Tensor, shape: tuple[int, ...], numel: int, group_name: str, zero_stage: int
+    shard: torch.Tensor, shape: tuple[int, ...], numel: int, group_name: str, zero_stage: int,
+    param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Gather the full parameter of ``shape`` from the shards of ``group_name`` (differentiable)."""
-    return torch.ops.zeroc.unshard(shard, list(shape), numel, group_name, zero_stage)
+    """Gather the full parameter of ``shape`` from the shards of ``group_name`` (differentiable;
+    gathered in ``param_dtype``, its gradient reduced in ``reduce_dtype`` when given, after
+    adding ``pending``, a full-shape gradient accumulated without synchronisation)."""
+    return torch.ops.zeroc.unshard(
+        shard, list(shape), numel, group_name, zero_stage, param_dtype, reduce_dtype, pending
+    )
 
 
 def reduce_grad(
@@ -198,14 +255,57 @@ __all__ += ["unshard", "reduce_grad"]
 
 
 @dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of a ZeRO model's compute and communication, as FSDP2's ``MixedPrecisionPolicy``.
+
+    ``param_dtype``: parameters are cast to it before they are gathered (so the gather moves
+    that dtype) and the forward and backward compute in it; the float32 shards stay the
+    optimizer's master copy. ``reduce_dtype``: gradients are cast to it before they are
+    reduced (default: ``param_dtype``). ``output_dtype``: floating-point outputs of the model's
+    forward are cast to it. ``cast_forward_inputs``: floating-point inputs of the model's
+    forward are cast to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise ValueError(
+                    f"MixedPrecision({field}={value!r}) is not allowed: use None or a "
+                    "floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32)"
+                )
+
+    @property
+    def gradient_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in (``None``: the parameters' own)."""
+        return self.reduce_dtype or self.param_dtype
+
+    def describe(self) -> str:
+        """``param=bfloat16 reduce=float32`` (the dtypes that differ from float32)."""
+        parts = [f"{k}={str(getattr(self, k + '_dtype')).removeprefix('torch.')}"
+                 for k in ("param", "reduce", "output") if getattr(self, k + "_dtype")]
+        return " ".join(parts) or "none"
+
+
+@dataclasses.dataclass(frozen=True)
 class ParamShard:
     """How one model parameter is held on this rank.
 
-    ``name`` is its original state-dict name (first owner), ``tied_names`` the other names of
-    the same tensor (e.g. a tied embedding and head), ``param_name`` its name in
-    ``model.named_parameters()`` after parallelization (``<module>.parametrizations.<name>
-    .original`` when it is behind a parametrization). ``shard_numel`` elements live on this
-    rank; at stage 0 the parameter is replicated (``shard_numel == numel``).
+    ``name`` is its state-dict and ``named_parameters`` name (first owner), ``tied_names``
+    the other names of the same tensor (e.g. a tied embedding and head). ``param_name`` is the
+    same name (kept for readers of older plans). The parameter the user sees is an
+    ``nn.Parameter`` holding a DTensor of the original ``shape`` (``Shard(0)`` when
+    ``sharded``, else ``Replicate()``; a plain tensor without a process group); the graphs
+    read its flat buffer of ``shard_numel`` elements, which the ops take with stage
+    ``op_stage``. ``local_rows`` rows of dimension 0 are this rank's (all of them when not
+    sharded).
     """
 
     name: str
@@ -217,6 +317,9 @@ class ParamShard:
     padded_numel: int
     shard_numel: int
     requires_grad: bool
+    sharded: bool = True
+    op_stage: int = 3
+    local_rows: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -232,7 +335,7 @@ class ZeroLayout:
     pp: int
     dp: int
     world: int
-    mixed_precision: str | None
+    mixed_precision: MixedPrecision | None
     mesh: Mesh
     params: tuple[ParamShard, ...]
 
@@ -246,4 +349,4 @@ class ZeroLayout:
         return {name: record for record in self.params for name in record.names}
 
 
-__all__ += ["ParamShard", "ZeroLayout"]
+__all__ += ["MixedPrecision", "ParamShard", "ZeroLayout"]

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from dist_harness import run_ranks
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from zeroc.parallelize import parallelize
-from zeroc.runtime.zero_ops import unshard
 from zeroc.state_dict import full_state_dict, load_full_state_dict
 
 VOCAB, SEQ, WIDTH, HIDDEN, BATCH, STEPS = 13, 5, 6, 5, 4, 3
@@ -76,22 +76,24 @@ def local_batch(rank: int, dp: int):
     return tokens[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def state_bytes(model: nn.Module, optimizer) -> int:
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes this rank holds for parameters (their flat buffers) and optimizer state."""
+    layout = getattr(model, "_zeroc_layout", None)
+    total = (sum(r.shard_numel * 4 for r in layout.params) if layout is not None
+             else sum(p.numel() * p.element_size() for p in model.parameters()))
     for state in optimizer.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if v.dim() > 0)
+        total += sum(_local(v).numel() * v.element_size() for v in state.values()
+                     if v.dim() > 0)
     return total
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient, gathered from the shards' gradients."""
-    layout = model._zeroc_layout
-    return {
-        r.name: unshard(
-            model.get_parameter(r.param_name).grad, r.shape, r.numel, layout.dp_group_name, 3
-        )
-        for r in layout.params
-    }
+    """Every parameter's full gradient, gathered from the DTensor gradients."""
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
 
 
 def two_rank_checks(rank: int, world: int) -> dict:
@@ -102,6 +104,9 @@ def two_rank_checks(rank: int, world: int) -> dict:
         model = parallelize(make_model(), zero=zero)
         losses, optimizer = train(model, tokens, targets)
         out[f"zero{zero}"] = {"losses": losses, "full": full_state_dict(model)}
+        out[f"zero{zero}"]["kinds"] = sorted({
+            (type(p).__name__, str(getattr(p, "placements", ""))) for p in model.parameters()})
+        out[f"zero{zero}"]["shapes"] = [tuple(p.shape) for p in model.parameters()]
         if zero == 3:
             out["keys"] = list(model.state_dict().keys())
             out["bytes"] = state_bytes(model, optimizer)
@@ -167,6 +172,16 @@ def test_state_dict_keeps_original_names(two_ranks) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_parameters_are_dtensor_shards_of_the_original_shapes(two_ranks, zero: int) -> None:
+    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    for result in two_ranks:
+        assert result[f"zero{zero}"]["shapes"] == shapes
+        expected = {("Parameter", "")} if zero == 0 else {("DTensor", str((Shard(0),)))}
+        assert set(result[f"zero{zero}"]["kinds"]) == expected
+
+
+@pytest.mark.timeout(240)
 def test_full_state_dict_load_round_trip(two_ranks) -> None:
     assert all(r["roundtrip_shards_equal"] for r in two_ranks)
     assert_state_close(
@@ -206,8 +221,12 @@ def test_zero3_state_bytes_are_a_dp_fraction(two_ranks) -> None:
     _, optimizer = train(model, *global_batch())
     full_bytes = state_bytes(model, optimizer)
     padding_bytes = (two_ranks[0]["padded"] - sum(p.numel() for p in model.parameters())) * 4
+    # Uneven rows: rank 0 may own a row more than rank 1 (its optimizer state is larger);
+    # flat buffers are padded to the same size on both.
+    total = sum(result["bytes"] for result in two_ranks)
+    assert full_bytes <= total <= full_bytes + 3 * padding_bytes
     for result in two_ranks:
-        assert full_bytes / 2 <= result["bytes"] <= full_bytes / 2 + 3 * padding_bytes / 2
+        assert result["bytes"] <= full_bytes / 2 + 3 * padding_bytes / 2
 
 
 @pytest.mark.timeout(240)
@@ -267,17 +286,17 @@ def test_layout_and_parameter_names_single_rank() -> None:
     assert (layout.zero, layout.pp, layout.dp, layout.world) == (3, 1, 1, 1)
     assert (layout.mesh.rank, layout.dp_group_name, layout.mesh.pp_group_name) == (0, "", "")
     names = [name for name, _ in model.named_parameters()]
-    assert names[0] == "tok.parametrizations.weight.original"
-    assert len(names) == len(list(make_model().parameters()))
+    assert names == [name for name, _ in make_model().named_parameters()]
     tok = layout.by_name()["head.weight"]
     assert (tok.name, tok.tied_names, tok.shape) == ("tok.weight", ("head.weight",), (13, 6))
-    shard = model.tok.parametrizations.weight.original
-    assert shard is model.head.parametrizations.weight.original
-    assert shard._zeroc_layout is layout and shard._zeroc_param is tok
-    # Stage 0 keeps the whole flat parameter behind the same parametrization.
+    flat = model.tok.__dict__["_zeroc_flat_weight"]
+    assert flat is model.head.__dict__["_zeroc_flat_weight"]
+    assert flat._zeroc_layout is layout and flat._zeroc_param is tok
+    # Without a process group the visible parameter is a plain view of the flat buffer.
+    assert model.tok.weight is model.head.weight and model.tok.weight.shape == (13, 6)
+    assert model.tok.weight.data_ptr() == flat.data_ptr()
     plain = parallelize(make_model(), zero=0)
-    whole = plain.tok.parametrizations.weight.original
-    assert whole.shape == (13 * 6,) and plain.tok.weight.shape == (13, 6)
+    assert plain.tok.__dict__["_zeroc_flat_weight"].shape == (13 * 6,)
     assert list(plain.state_dict()) == list(make_model().state_dict())
 
 

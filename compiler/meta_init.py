@@ -1,0 +1,400 @@
+"""Initialize a meta-device model one module at a time (used by ``zeroc.parallelize``).
+
+``materialize_direct`` gives one module's direct meta parameters real, initialized, full-size
+tensors (the caller shards them and frees them before the next module, so a rank never holds the
+whole model) and replaces its meta buffers in place. A tensor is filled by the first of: the
+user's ``init_fn(module)``; the model's per-module hook (Hugging Face ``_init_weights(module)``
+of the nearest enclosing ``PreTrainedModel``, as HF's ``smart_apply`` dispatches it); the
+module's ``reset_parameters()``; for rotary ``inv_freq`` buffers, the model's RoPE function.
+
+Which one writes which tensor is found once by a dry run on meta tensors (no memory, no random
+draws) under a dispatch mode that records the storages in-place ops write. The hook runs on a
+*skeleton*, a shallow copy of the module tree with meta stand-ins for all tensors but, while a
+module is filled, its scratch tensors: a parent's hook that re-initializes a child (GPT-2's
+``GPT2Attention`` scales ``c_proj.weight``) is re-run for the child, touching nothing else.
+
+Random stream: built on a real device, a model with a post-construction initializer draws in its
+constructors, then in its init pass (HF: ``post_init`` at the end of each ``PreTrainedModel``'s
+``__init__``). Before filling a module, the constructor draws that precede its init pass are
+replayed into throw-away scratch tensors, one module at a time (``reset_parameters()``, else the
+module's own initializer); tied parameters already materialized (``done``) are filled into
+scratch too. So under the same ``torch.manual_seed`` the values equal a real-device build when its
+init pass writes tensors in module order (true for HF Llama and GPT-2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Container, Iterator
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["InitFn", "check_meta_initializable", "find_initializer", "materialize_direct"]
+
+log = logging.getLogger(__name__)
+
+InitFn = Callable[[nn.Module], None]
+_PLAN_ATTR = "_zeroc_meta_init"
+_STAGES = ("init_fn", "hook", "reset_parameters", "rope")  # who fills a tensor, first one wins
+_ROPE_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def _own_hook(module: nn.Module) -> InitFn | None:
+    """``module._init_weights`` / ``module.init_weights`` when it takes exactly one module."""
+    for name in ("_init_weights", "init_weights"):
+        fn = getattr(module, name, None)
+        try:
+            params = list(inspect.signature(fn).parameters.values()) if callable(fn) else []
+        except (TypeError, ValueError):
+            continue
+        kinds = [p.kind for p in params if p.kind != p.VAR_KEYWORD]
+        if len(kinds) == 1 and kinds[0] <= inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            return fn
+    return None
+
+
+def _is_hf_pretrained(module: nn.Module) -> bool:
+    mro = type(module).__mro__
+    return any(c.__name__ == "PreTrainedModel" and "transformers" in c.__module__ for c in mro)
+
+
+class _ModelHook:
+    """The model's per-module init hook; each module goes to its nearest enclosing HF model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.root_fn = _own_hook(model)
+        self.owner = {k: _own_hook(o) or self.root_fn for k, (o, _) in _walk(model)[2].items()}
+
+    def __call__(self, module: nn.Module) -> None:
+        fn = self.owner.get(id(module), self.root_fn)
+        if fn is not None:
+            with torch.no_grad():
+                fn(module)
+
+
+def find_initializer(model: nn.Module, init_fn: InitFn | None) -> InitFn | None:
+    """How modules of ``model`` are (re)initialized: ``init_fn`` if given; else the model's own
+    per-module hook (HF ``PreTrainedModel._init_weights(module)``, each module dispatched to its
+    nearest enclosing ``PreTrainedModel``; a user model's ``_init_weights``/``init_weights`` that
+    takes a module); else ``None`` (each module's ``reset_parameters()``)."""
+    if init_fn is not None:
+        return init_fn
+    hook = _ModelHook(model)
+    return hook if any(hook.owner.values()) else None
+
+
+def _direct_meta(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_buffer)`` for ``module``'s direct meta parameters and buffers."""
+    tables = ((module._parameters, False), (module._buffers, True))
+    return [(n, t, b) for d, b in tables for n, t in d.items() if t is not None and t.is_meta]
+
+
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    with contextlib.suppress(RuntimeError, NotImplementedError):
+        return tensor.untyped_storage()._cdata
+    return None
+
+
+class _WriteTracker(TorchDispatchMode):
+    """Record the storages in-place ops write; skip writes to storages in ``block``."""
+
+    def __init__(self, block: Container[int] = ()) -> None:
+        super().__init__()
+        self.block, self.written = block, set[int]()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in ((i, a) for i, a in enumerate(func._schema.arguments) if a.is_write):
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                sid = _storage_id(t) if isinstance(t, torch.Tensor) else None
+                if sid is not None and sid in self.block:
+                    return t  # a real tensor of the model: a dry run must not change it
+                self.written.add(sid)
+        return func(*args, **kwargs)
+
+
+def _empty_like(t: torch.Tensor, device: torch.device | str = "meta") -> torch.Tensor:
+    """An uninitialized (contiguous) tensor like ``t``; a parameter stays a parameter."""
+    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+    return nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+
+
+@contextlib.contextmanager
+def _swapped(target: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``target``'s direct tensors are ``tensors`` (by name), the others meta, in the block; one
+    the block re-assigns (``m.w = nn.Parameter(...)``) replaces its entry in ``tensors``."""
+    saved = [(table, dict(table)) for table in (target._parameters, target._buffers)]
+    for table, old in saved:
+        for name, value in old.items():
+            if value is not None:
+                table[name] = tensors.get(name, value if value.is_meta else _empty_like(value))
+    try:
+        yield
+    finally:
+        for table, old in saved:
+            for name in tensors.keys() & table.keys():
+                new = table[name]
+                if isinstance(new, torch.Tensor) and new is not tensors[name] and not new.is_meta:
+                    tensors[name] = new
+            table.clear()
+            table.update(old)
+
+
+def _skeleton(model: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> a shallow copy of it whose tensors are meta stand-ins (ties kept)."""
+    stand_in: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        return stand_in.setdefault(id(t), _empty_like(t))
+
+    nodes: dict[int, nn.Module] = {}
+    for module in model.modules():
+        node = nodes[id(module)] = object.__new__(parametrize.type_before_parametrizations(module))
+        node.__dict__.update(module.__dict__)
+        for table in ("_parameters", "_buffers"):
+            old = getattr(module, table)
+            node.__dict__[table] = {n: t if t is None else meta(t) for n, t in old.items()}
+        if parametrize.is_parametrized(module):  # sharded already: stand in for the shard
+            for name, plist in module.parametrizations.items():
+                node._parameters[name] = meta(plist.original)
+    for module in model.modules():
+        old = module._modules
+        nodes[id(module)].__dict__["_modules"] = {
+            n: None if c is None else nodes[id(c)] for n, c in old.items()
+        }
+    return nodes
+
+
+def _rope_inv_freq(module: nn.Module) -> torch.Tensor | None:
+    """``inv_freq`` as an HF rotary embedding computes it in ``__init__``, or ``None``."""
+    config = getattr(module, "config", None)
+    fn = getattr(module, "rope_init_fn", None)  # transformers 4.x keeps it on the module
+    if fn is None and getattr(module, "rope_type", "default") == "default":
+        fn = getattr(module, "compute_default_rope_parameters", None)
+    return fn(config)[0] if config is not None and callable(fn) else None
+
+
+_Tensors = dict[str, torch.Tensor]
+_Chain = tuple[nn.Module, ...]
+_Scope = dict[int, tuple[nn.Module, int]]  # id(module) -> (its init scope, see _walk)
+_field = lambda factory: dataclasses.field(default_factory=factory)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What initializes each module's meta tensors, found by a dry run on the meta model."""
+
+    init_fn: InitFn | None
+    nodes: dict[int, nn.Module]  # id(module) -> skeleton node
+    hook: _ModelHook  # over the skeleton
+    order: list[nn.Module]  # model.modules() order
+    scope: _Scope
+    block: set[int | None]  # storages of the model's real tensors (dry runs must not write them)
+    writers: dict[int, list[nn.Module]]  # stand-in storage -> skeleton nodes whose hook writes it
+    stages: dict[int, list[tuple[str, tuple[str, ...], _Chain]]] = _field(dict)
+    uncovered: dict[int, tuple[str, ...]] = _field(dict)
+    pending: set[int] = _field(set)
+    replayed: int = 0  # modules whose constructor draws were replayed
+    buffers: dict[int, torch.Tensor] = _field(dict)  # id(meta buffer) -> its real buffer
+
+
+def _build_plan(model: nn.Module, init_fn: InitFn | None) -> _Plan:
+    nodes = _skeleton(model)
+    pre, post, scope = _walk(model)
+    block = {_storage_id(t) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    plan = _Plan(init_fn, nodes, _ModelHook(nodes[id(model)]), pre, scope, block, {})
+    order = {id(nodes[id(m)]): i for i, m in enumerate(post)}
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for node in (nodes[id(m)] for m in post) if any(plan.hook.owner.values()) else ():
+            with _WriteTracker() as tracker:
+                _dry(plan.hook, node)
+            for sid in tracker.written:
+                plan.writers.setdefault(sid, []).append(node)
+        for module in pre:
+            metas = _direct_meta(module)
+            if not metas:
+                continue
+            plan.pending.add(id(module))
+            left = [n for n, _, _ in metas]
+            for stage in _STAGES:
+                covered, chain = _dry_stage(plan, stage, module, left)
+                if covered:
+                    chain = tuple(sorted(chain, key=lambda n: order[id(n)]))
+                    plan.stages.setdefault(id(module), []).append((stage, covered, chain))
+                    left = [n for n in left if n not in covered]
+            if left:
+                plan.uncovered[id(module)] = tuple(left)
+    return plan
+
+
+def _walk(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module], _Scope]:
+    """Modules in pre- and post-order; per module its init scope (nearest enclosing HF model,
+    else ``model``) and how many modules (in pre-order) are built before that scope's init."""
+    pre: list[nn.Module] = []
+    post: list[nn.Module] = []
+    scope: dict[int, nn.Module] = {}
+    end: dict[int, int] = {}
+
+    def walk(module: nn.Module, owner: nn.Module) -> None:
+        scope[id(module)] = module if module is model or _is_hf_pretrained(module) else owner
+        pre.append(module)
+        for child in module.children():
+            if id(child) not in scope:
+                walk(child, scope[id(module)])
+        post.append(module)
+        end[id(module)] = len(pre)
+
+    walk(model, model)
+    return pre, post, {key: (owner, end[id(owner)]) for key, owner in scope.items()}
+
+
+def _dry(fn: Callable[..., object], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # a dry run on meta tensors: report, do not fail
+        log.warning("meta dry run of %s failed (%s: %s)", fn, type(exc).__name__, exc)
+
+
+def _dry_stage(
+    plan: _Plan, stage: str, module: nn.Module, names: list[str]
+) -> tuple[tuple[str, ...], set[nn.Module]]:
+    """The names among ``names`` that ``stage`` writes, and the skeleton nodes to run for them."""
+    node = plan.nodes[id(module)]
+    own = {n: t for n, t in {**node._parameters, **node._buffers}.items() if n in names}
+    if stage == "hook":
+        covered = tuple(n for n in names if _storage_id(own[n]) in plan.writers)
+        return covered, {w for n in covered for w in plan.writers[_storage_id(own[n])]}
+    if stage == "rope":
+        ok = any(n in _ROPE_BUFFERS for n in names) and _rope_inv_freq(node) is not None
+        return tuple(n for n in names if ok and n in _ROPE_BUFFERS), set()
+    fn = plan.init_fn if stage == "init_fn" else getattr(node, "reset_parameters", None)
+    if not callable(fn):
+        return (), set()
+    probe, target = {n: _empty_like(t) for n, t in own.items()}, node
+    if stage == "init_fn":
+        fn, target = functools.partial(fn, module), module
+    with _swapped(target, probe), _WriteTracker(plan.block) as tracker:
+        _dry(fn)
+    written = {n for n, t in probe.items() if _storage_id(t) in tracker.written or not t.is_meta}
+    return tuple(n for n in names if n in written), set()
+
+
+def _plan_for(model: nn.Module, init_fn: InitFn | None) -> _Plan:
+    plan = model.__dict__.get(_PLAN_ATTR)
+    if plan is None or plan.init_fn is not init_fn:
+        plan = model.__dict__[_PLAN_ATTR] = _build_plan(model, init_fn)
+    return plan
+
+
+def _message(path: str, module: nn.Module, name: str, is_buffer: bool) -> str:
+    cls, where = type(module).__name__, f"{path}.{name}" if path else name
+    return (
+        f"{'buffer' if is_buffer else 'parameter'} {where!r} of module {path or '<root>'!r} "
+        f"({cls}) is on the meta device and nothing initializes it (no init_fn, model init hook "
+        f"or reset_parameters() writes it): pass init_fn=... (init_fn(module) fills that module's "
+        f"own parameters and buffers) or give {cls} a reset_parameters()"
+    )
+
+
+def check_meta_initializable(model: nn.Module, init_fn: InitFn | None) -> None:
+    """Raise ``ValueError`` naming the first module (dotted path and class) whose meta parameters
+    or meta buffers nothing can initialize, saying what to pass (``init_fn=...``, or a
+    ``reset_parameters()``). Call it before anything in ``model`` is sharded: it dry-runs the
+    initializers on the meta model (``init_fn`` is called once per module on meta tensors)."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    plan = _plan_for(model, init_fn)
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        for name, tensor, is_buffer in _direct_meta(module):
+            if id(tensor) not in seen and name in plan.uncovered.get(id(module), ()):
+                raise ValueError(_message(path, module, name, is_buffer))
+            seen.add(id(tensor))
+
+
+def _run(plan: _Plan, stage: str, module: nn.Module, tensors: _Tensors, chain: _Chain) -> None:
+    """Fill ``tensors`` (scratch tensors standing for ``module``'s) by ``stage``; the hook runs
+    on ``chain`` (skeleton nodes, in init-pass order)."""
+    node = plan.nodes[id(module)]
+    if stage == "rope":
+        for t in tensors.values():
+            t.copy_(_rope_inv_freq(node))
+        return
+    with _swapped(module if stage == "init_fn" else node, tensors):
+        if stage == "init_fn":
+            plan.init_fn(module)
+        elif stage == "reset_parameters":
+            node.reset_parameters()
+        else:
+            for writer in chain:
+                plan.hook(writer)
+
+
+def _replay_construction(plan: _Plan, until: int, device: torch.device) -> None:
+    """Draw what the constructors of the first ``until`` modules drew (into scratch)."""
+    for module in plan.order[plan.replayed : until]:
+        metas = _direct_meta(module)
+        stages = [s for s, _, _ in plan.stages.get(id(module), ()) if s in ("init_fn", "hook")]
+        if not stages or all(is_buffer for _, _, is_buffer in metas):
+            continue  # no init pass re-draws it (or only buffers): it is filled in its turn
+        tensors = {n: _empty_like(t, device) for n, t, _ in metas}
+        if callable(getattr(module, "reset_parameters", None)):
+            stages = ["reset_parameters"]
+        with torch.no_grad():
+            _run(plan, stages[0], module, tensors, (plan.nodes[id(module)],))
+    plan.replayed = max(plan.replayed, until)
+
+
+def materialize_direct(
+    model: nn.Module,
+    module: nn.Module,
+    device: torch.device,
+    done: Container[int],
+    init_fn: InitFn | None,
+) -> dict[str, torch.Tensor]:
+    """Full, initialized tensors for ``module``'s direct meta parameters (local name -> tensor on
+    ``device``), excluding parameters whose id is in ``done`` (materialized through a tie).
+
+    Nothing full-size stays registered on ``module`` (the caller shards and registers). Its meta
+    buffers are replaced in place by real buffers on ``device`` (HF rotary ``inv_freq`` as the
+    model computes it). Call it for every module in ``model.named_modules()`` order.
+    """
+    metas = _direct_meta(module)
+    if not metas:
+        return {}
+    plan = _plan_for(model, init_fn)
+    if any(s in ("init_fn", "hook") for s, _, _ in plan.stages.get(id(module), ())):
+        _replay_construction(plan, plan.scope[id(module)][1], device)
+    uncovered = plan.uncovered.get(id(module), ())
+    for name, tensor, is_buffer in metas:
+        if name in uncovered and id(tensor) not in done and id(tensor) not in plan.buffers:
+            path = next(p for p, m in model.named_modules() if m is module)
+            raise ValueError(_message(path, module, name, is_buffer))
+    tensors = {
+        n: _empty_like(t, device)
+        for n, t, is_buffer in metas
+        if not (is_buffer and id(t) in plan.buffers) and n not in uncovered
+    }
+    with torch.no_grad():
+        for stage, names, chain in plan.stages.get(id(module), ()):
+            part = {n: tensors[n] for n in names if n in tensors}
+            if part:
+                log.debug("meta init %s %s by %s", type(module).__name__, list(part), stage)
+                _run(plan, stage, module, part, chain)
+                tensors.update(part)
+    for name, tensor, is_buffer in metas:
+        if is_buffer:
+            module._buffers[name] = plan.buffers.setdefault(id(tensor), tensors.get(name, tensor))
+    out = {n: tensors[n].detach() for n, t, is_buf in metas if not is_buf and id(t) not in done}
+    plan.pending.discard(id(module))
+    if not plan.pending:
+        del model.__dict__[_PLAN_ATTR]
+    return out

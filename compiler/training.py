@@ -1,0 +1,115 @@
+"""Training-loop helpers for parallelized models: gradient sync switch and global-norm clipping.
+
+- ``set_requires_gradient_sync(model, False)`` (also ``model.set_requires_gradient_sync``, as
+  FSDP2 names it, and ``with zeroc.no_sync(model):``) makes the following backwards reduce no
+  gradient: each rank accumulates its full local gradients. The first backward after sync is
+  turned back on reduces them together with its own, one reduction per bucket, so k
+  micro-steps give the gradient of the concatenated batch.
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` already returns the global
+  norm for ``pp == 1``: the gradients are DTensors on the data-parallel mesh. With ``pp > 1``
+  each pipeline position holds only its stages' gradients, so ``zeroc.clip_grad_norm_(model,
+  max_norm)`` adds the positions' norms over the pipeline group (a parameter held by two
+  positions, as DualPipe's, is counted once) and clips every rank by the same factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroc.parallelize import layout_of
+from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
+from zeroc.sharded_params import ZeroState, sharded_of, state_of
+from zeroc.sharded_params import set_requires_gradient_sync as _set_sync
+
+__all__ = ["clip_grad_norm_", "no_sync", "set_requires_gradient_sync"]
+
+logger = logging.getLogger(__name__)
+
+
+def _state(model: nn.Module, what: str) -> ZeroState:
+    model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper
+    state = state_of(model) if layout_of(model) is not None else None
+    if state is None:
+        raise ValueError(
+            f"{what}: model {type(model).__name__} was not parallelized by zeroc: call "
+            "zeroc.parallelize(model, zero=...) first"
+        )
+    return state
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Reduce gradients in the following backwards (``True``) or accumulate them locally."""
+    state = _state(model, "set_requires_gradient_sync")
+    _set_sync(state, requires_gradient_sync)
+    logger.debug("gradient sync %s", "on" if requires_gradient_sync else "off")
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients without reducing them inside the block (DDP's ``no_sync``)."""
+    state = _state(model, "no_sync")
+    previous = state.requires_gradient_sync
+    _set_sync(state, False)
+    try:
+        yield
+    finally:
+        _set_sync(state, previous)
+
+
+def _owned_by_this_position(param: torch.Tensor, pp_index: int) -> bool:
+    sharded = sharded_of(param)
+    source = getattr(sharded.flat if sharded is not None else param, PP_SOURCE_ATTR, None)
+    return source is None or source == pp_index
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip ``model``'s gradients by their global norm over every rank; return that norm.
+
+    Equal to ``torch.nn.utils.clip_grad_norm_`` on the same model trained on one process with
+    the global batch. Collective over the whole world: every rank must call it.
+    """
+    model = getattr(model, "_orig_mod", model)
+    layout = layout_of(model)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if layout is None or layout.pp == 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                              error_if_nonfinite, foreach)
+        return _plain(norm)
+    norm_type = float(norm_type)
+    owned = [p.grad for p in params if _owned_by_this_position(p, layout.mesh.pp_index)]
+    if owned:
+        local = _plain(torch.nn.utils.get_total_norm(owned, norm_type, False, foreach))
+    else:
+        device = params[0].grad.device if params else torch.device("cpu")
+        local = torch.zeros((), device=device)
+    group = layout.mesh.pp_group()
+    if math.isinf(norm_type):
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = local.double() ** norm_type
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        total = (total ** (1.0 / norm_type)).to(local.dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"zeroc.clip_grad_norm_: the total norm of order {norm_type} is "
+                           f"{total.item()}; set error_if_nonfinite=False to clip anyway")
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def _plain(norm: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
