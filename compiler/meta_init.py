@@ -297,10 +297,10 @@ def _plan_for(model: nn.Module, init_fn: InitFn | None) -> _Plan:
 def _message(path: str, module: nn.Module, name: str, is_buffer: bool) -> str:
     cls, where = type(module).__name__, f"{path}.{name}" if path else name
     return (
-        f"{'buffer' if is_buffer else 'parameter'} {where!r} of module {path or '<root>'!r} "
-        f"({cls}) is on the meta device and nothing initializes it (no init_fn, model init hook "
-        f"or reset_parameters() writes it): pass init_fn=... (init_fn(module) fills that module's "
-        f"own parameters and buffers) or give {cls} a reset_parameters()"
+        f"{'buffer' if is_buffer else 'parameter'} {where!r} is on the meta device and nothing "
+        f"initializes it (no init_fn, model init hook or reset_parameters() of module "
+        f"{path or '<root>'!r} ({cls}) writes it): pass init_fn=... (init_fn(module) fills that "
+        f"module's own parameters and buffers) or give {cls} a reset_parameters()"
     )
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Container
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
 
+from zeroc.meta_init import check_meta_initializable, materialize_direct
 from zeroc.runtime.mesh import Mesh, build_mesh
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
@@ -101,27 +102,11 @@ def _validate(model: nn.Module, zero: int) -> None:
         )
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero={zero!r} is not allowed: zero must be one of 0, 1, 2, 3")
-    seen: set[int] = set()
     for path, module in model.named_modules():
         if parametrize.is_parametrized(module):
             raise ValueError(
                 f"model: module {path or '<root>'!r} already has parametrizations; "
                 "zeroc.parallelize needs plain parameters"
-            )
-        params = [(n, p) for n, p in module._parameters.items() if p is not None]
-        meta = [n for n, p in params if p.is_meta and id(p) not in seen]
-        seen.update(id(p) for _, p in params)
-        if meta and not callable(getattr(module, "reset_parameters", None)):
-            raise ValueError(
-                f"parameter {_join(path, meta[0])!r} is on the meta device and its module "
-                f"({type(module).__name__}) has no reset_parameters() to initialize it: give "
-                "the module a reset_parameters() or build the model on a real device"
-            )
-    for path, buffer in model.named_buffers():
-        if buffer.is_meta:
-            raise ValueError(
-                f"buffer {path!r} is on the meta device: zeroc.parallelize materializes "
-                "parameters only; create buffers on a real device"
             )
 
 
@@ -129,29 +114,6 @@ def _materialize_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _materialize_direct(
-    module: nn.Module, device: torch.device, done: Container[int]
-) -> dict[str, torch.Tensor]:
-    """Full tensors for ``module``'s direct meta parameters, filled by ``reset_parameters``."""
-    params = {n: p for n, p in module._parameters.items() if p is not None}
-    reset = getattr(module, "reset_parameters", None)
-    # _validate made sure a module owning a meta parameter first can reset it; a module that
-    # only re-uses tied parameters materialized earlier may lack reset_parameters.
-    if not any(p.is_meta for p in params.values()) or not callable(reset):
-        return {}
-    scratch = {
-        n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
-        for n, p in params.items()
-    }
-    try:
-        module._parameters.update(scratch)
-        with torch.no_grad():
-            reset()
-    finally:
-        module._parameters.update(params)
-    return {n: scratch[n].detach() for n, p in params.items() if p.is_meta and id(p) not in done}
 
 
 def _join(path: str, name: str) -> str:
@@ -198,6 +160,7 @@ def parallelize(
     mixed_precision: MixedPrecision | str | None = None,
     *,
     mesh: Any = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place over the data-parallel group; return ``model``.
 
@@ -206,13 +169,17 @@ def parallelize(
     ``world // pp`` data-parallel ranks each (the pipeline split itself is done by the
     compiler). ``mesh``: a ``DeviceMesh`` with dimensions ``("pp", "dp")`` or ``("dp",)``
     (e.g. from ``init_device_mesh``); without one it is built from the default process group.
-    ``mixed_precision``: ``None``, ``"bf16"`` or a ``zeroc.MixedPrecision``. Without an
+    ``mixed_precision``: ``None``, ``"bf16"`` or a ``zeroc.MixedPrecision``. ``init_fn(module)``
+    initializes a meta-device model's modules (it is also called once on meta tensors first,
+    to check that every meta tensor gets written); without it the model's own per-module
+    initializer (Hugging Face ``_init_weights``) or ``reset_parameters()`` does. Without an
     initialized process group the world is one rank. Every rank must call this with the same
     arguments on the same model definition. The result is recorded as
     ``model._zeroc_layout`` (a ``ZeroLayout``); each flat buffer the compiled graphs read
     carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
     """
     _validate(model, zero)
+    check_meta_initializable(model, init_fn)
     policy = _policy(mixed_precision)
     device = _materialize_device()
     mesh_ = build_mesh(pp, mesh, device.type)
@@ -222,7 +189,7 @@ def parallelize(
                              list[str]]] = {}
     modules: dict[nn.Module, list[str]] = {}
     for path, module in list(model.named_modules()):
-        fresh = _materialize_direct(module, device, entries)
+        fresh = materialize_direct(model, module, device, entries, init_fn)
         for local, param in list(module._parameters.items()):
             if param is None:
                 continue

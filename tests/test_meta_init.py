@@ -29,17 +29,31 @@ CPU = torch.device("cpu")
 
 def _llama(tie: bool = False) -> nn.Module:
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=128, max_position_embeddings=64, use_cache=False,
-        tie_word_embeddings=tie, attn_implementation="eager",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+        use_cache=False,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
     )
     return transformers.LlamaForCausalLM(config)
 
 
 def _gpt2() -> nn.Module:
     config = transformers.GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, use_cache=False,
-        bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=128,
+        n_positions=64,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -132,6 +146,51 @@ def test_seed_changes_values_and_hf_hook_is_found() -> None:
         assert torch.equal(model.model.norm.weight, torch.ones(64))
 
 
+class _Flat(nn.Module):
+    """A stand-in for zeroc's unshard parametrization; counts its evaluations."""
+
+    calls = 0
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, flat: torch.Tensor) -> torch.Tensor:
+        _Flat.calls += 1
+        return flat.view(self.shape)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("factory", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_sharded_modules_are_not_touched(factory) -> None:
+    """Even when each module's parameters are flattened and parametrized right after it is
+    materialized (the strictest order a caller can use), later modules' init hooks (GPT-2's
+    parent hooks reach into their children) never evaluate those parametrizations."""
+    from torch.nn.utils import parametrize
+
+    model = _on_meta(factory)
+    check_meta_initializable(model, None)
+    entries: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    _Flat.calls = 0
+    for _, module in list(model.named_modules()):
+        fresh = materialize_direct(model, module, CPU, entries, None)
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in entries:
+                flat = nn.Parameter(fresh[name].reshape(-1).clone(), param.requires_grad)
+                entries[id(param)] = (param, flat)
+            module._parameters[name] = entries[id(param)][1]
+            parametrize.register_parametrization(module, name, _Flat(param.shape), unsafe=True)
+    assert _Flat.calls == 0
+    want = _on_cpu(factory)
+    got = dict(model.named_parameters())
+    for name, value in want.named_parameters():
+        prefix, _, local = name.rpartition(".")
+        key = f"{prefix}.parametrizations.{local}.original".lstrip(".")
+        assert torch.equal(got[key].view(value.shape), value), name
+
+
 class _Scale(nn.Module):
     """A parameter and a buffer directly on a module with no ``reset_parameters``."""
 
@@ -204,7 +263,7 @@ class _WithMask(nn.Module):
 def test_uninitializable_meta_tensors_are_refused() -> None:
     model = _on_meta(lambda: nn.Sequential(nn.Linear(4, 4), nn.Sequential(_Gate())))
     pattern = (
-        r"parameter '1\.0\.gate' of module '1\.0' \(_Gate\) is on the meta device.*"
+        r"parameter '1\.0\.gate' is on the meta device.* module '1\.0' \(_Gate\).*"
         r"pass init_fn=\.\.\..*give _Gate a reset_parameters\(\)"
     )
     with pytest.raises(ValueError, match=pattern):
@@ -216,7 +275,7 @@ def test_uninitializable_meta_tensors_are_refused() -> None:
     with pytest.raises(ValueError, match=r"'1\.0' \(_Gate\)"):
         check_meta_initializable(model, lambda m: None)
     check_meta_initializable(model, lambda m: isinstance(m, _Gate) and m.gate.data.zero_())
-    with pytest.raises(ValueError, match=r"buffer 'mask' of module '<root>' \(_WithMask\)"):
+    with pytest.raises(ValueError, match=r"buffer 'mask' is on the meta.*'<root>' \(_WithMask\)"):
         check_meta_initializable(_on_meta(_WithMask), None)
 
 
@@ -264,3 +323,38 @@ def test_peak_rss_is_one_module_plus_shards() -> None:
     assert full > 800e6  # ~220M fp32 parameters
     assert kept < 0.26 * full
     assert growth < 0.5 * full, (growth / full, kept / full)
+
+
+class _Nano(nn.Module):
+    """A user model with a nanoGPT-style ``_init_weights(module)`` applied in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 16)
+        self.blocks = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.Linear(64, 16))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+
+@pytest.mark.timeout(60)
+def test_user_model_init_weights_hook_equals_cpu_build() -> None:
+    meta = _on_meta(_Nano)
+    assert find_initializer(meta, None) is not None
+    _assert_same_tensors(materialize_all(meta), _on_cpu(_Nano))
+
+
+@pytest.mark.timeout(60)
+def test_rotary_buffers_without_a_model_hook() -> None:
+    """A rotary embedding outside any PreTrainedModel: inv_freq as its __init__ computes it."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = _llama().config
+    factory = lambda: nn.ModuleDict({"rope": LlamaRotaryEmbedding(config)})
+    got = materialize_all(_on_meta(factory))
+    _assert_same_tensors(got, _on_cpu(factory))
