@@ -97,6 +97,7 @@ def compile_dynamo_graph(
     input_names = _input_names(gm)
     # ZeRO-1 parameters use stage-0 ops: the model's stage comes from its layout.
     layout = next((v._zeroc_layout for v in example_inputs if hasattr(v, "_zeroc_layout")), None)
+    record.layout = layout
     session.add(record)
     gm = run_dynamo_passes(gm, config, record, device)
 

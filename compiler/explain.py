@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan import PLAN_FORMAT, Plan, PlanMeta
-from zeroc.runtime.records import MemoryEstimate, ParamInfo, StageInfo
+from zeroc.runtime.records import CollectiveInfo, MemoryEstimate, ParamInfo, StageInfo
+from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import SESSION_ATTR, CompileSession, wrapper_of
 
 # Adam keeps two fp32 moments per parameter element.
@@ -81,6 +82,20 @@ def _world_mesh_zero(session: CompileSession) -> tuple[int, tuple[tuple[str, int
     return world, (("pp", world // dp), ("dp", dp)), zero
 
 
+def _step_collectives(layout: ZeroLayout) -> tuple[CollectiveInfo, ...]:
+    """Collectives outside the compiled graphs: ZeRO-1's all-gather after the optimizer step."""
+    nbytes = layout.step_gather_bytes()
+    if not nbytes:
+        return ()
+    params = tuple(r.name for r in layout.params if r.sharded and r.requires_grad)
+    dtypes = sorted({r.dtype for r in layout.params if r.sharded and r.requires_grad})
+    return (CollectiveInfo(
+        name="step.gather0", graph="optimizer.step", op="all_gather",
+        group=layout.dp_group_name, params=params, bytes=nbytes,
+        issued_at="after optimizer.step()", waited_at="after optimizer.step()",
+        dtype=",".join(dtypes)),)
+
+
 def build_plan(session: CompileSession) -> Plan:
     """Freeze a session's records into a Plan (single device: one stage, rank 0)."""
     zeroc_version, torch_version, triton_version = _versions()
@@ -93,10 +108,19 @@ def build_plan(session: CompileSession) -> Plan:
     modules = tuple(dict.fromkeys(p.name.split(".")[0] for p in params))
     stage = StageInfo(index=0, modules=modules, params=sum(p.numel for p in params),
                       param_bytes=param_bytes, flops=forward_flops, activation_bytes=saved)
+    collectives = tuple(c for r in session.records for c in r.collectives)
+    layout = next((r.layout for r in session.records if r.layout is not None), None)
+    if layout is None:
+        held = (param_bytes, param_bytes, ADAM_STATES * param_bytes)
+    else:
+        held = layout.held_bytes(ADAM_STATES)
+        collectives += _step_collectives(layout)
     memory = MemoryEstimate(
-        rank=0, params=param_bytes, grads=param_bytes, optimizer=ADAM_STATES * param_bytes,
-        activations=activations,
-        peak=(2 + ADAM_STATES) * param_bytes + activations,
+        rank=layout.mesh.rank if layout is not None else 0,
+        params=held[0], grads=held[1], optimizer=held[2], activations=activations,
+        peak=sum(held) + activations,
+        moved=sum(c.bytes for c in collectives if c.graph.endswith((".forward", ".backward"))
+                  or c.graph == "optimizer.step"),
     )
     graph_hash = hashlib.sha256(
         "\n".join(g.code for g in graphs if g.kind != "joint").encode()).hexdigest()[:16]
@@ -122,7 +146,7 @@ def build_plan(session: CompileSession) -> Plan:
         stages=(stage,),
         params=params,
         kernels=tuple(k for r in session.records for k in r.kernels),
-        collectives=tuple(c for r in session.records for c in r.collectives),
+        collectives=collectives,
         memory=(memory,),
         passes=tuple(p for r in session.records for p in r.passes),
     )

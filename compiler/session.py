@@ -28,6 +28,7 @@ class CompiledGraph:
     device: str = "cpu"
     zero: int = -1  # ZeRO stage of the graph's parameters; -1: not parallelized
     zero_group: str = ""
+    layout: Any = None  # the ZeroLayout of the graph's parameters (not part of the Plan)
     joint: GraphInfo | None = None
     num_fwd_outputs: int = 0
     saved_bytes: int = 0

@@ -269,7 +269,7 @@ def _gather_whole_rows(params: list[ShardedParam]) -> None:
         widths.append(per_rank)
     send = torch.cat(pieces)
     recv = send.new_empty(dp * send.numel())
-    dist.all_gather_into_tensor(recv, send, group=group)
+    _all_gather_single(recv, send, group=group)
     rows = recv.view(dp, -1)
     offset = 0
     with torch.no_grad():
@@ -294,6 +294,8 @@ def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 
 _STEP_HOOK: list[Any] = []
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; 2.11 has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def ensure_step_hook() -> None:

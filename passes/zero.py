@@ -215,7 +215,8 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
             name=f"{ctx.graph_name}.gather{index}", graph=ctx.graph_name, op="all_gather",
             group=group_name, params=bucket_params,
             bytes=collective_bytes("all_gather", 0, bucket.nbytes),
-            issued_at=issue_at.name, waited_at=need.name))
+            issued_at=issue_at.name, waited_at=need.name,
+            dtype=str(bucket.key[2]).removeprefix("torch.")))
     return len(buckets)
 
 
@@ -323,7 +324,8 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             name=f"{ctx.graph_name}.reduce{index}", graph=ctx.graph_name, op=op,
             group=group_name, params=tuple(grad_names.get(n, n.name) for n in bucket.nodes),
             bytes=collective_bytes(op, in_bytes, 0),
-            issued_at=last.name, waited_at=wait_at.name))
+            issued_at=last.name, waited_at=wait_at.name,
+            dtype=str(bucket.key[2]).removeprefix("torch.")))
     return len(buckets)
 
 

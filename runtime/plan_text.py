@@ -93,9 +93,10 @@ def render_plan(plan: Plan) -> str:
     out.append("")
     out.append(_section(
         "collectives",
-        [[c.name, c.graph, c.op, c.group, len(c.params), human_bytes(c.bytes), c.issued_at,
-          c.waited_at] for c in plan.collectives],
-        ["collective", "graph", "op", "group", "params", "bytes", "issued at", "waited at"],
+        [[c.name, c.graph, c.op, c.dtype, c.group, len(c.params), human_bytes(c.bytes),
+          c.issued_at, c.waited_at] for c in plan.collectives],
+        ["collective", "graph", "op", "dtype", "group", "params", "bytes", "issued at",
+         "waited at"],
         "none (single device)",
     ))
     out.append("")
@@ -105,10 +106,15 @@ def render_plan(plan: Plan) -> str:
     out.append(_section(
         "estimated memory per rank",
         [[m.rank, human_bytes(m.params), human_bytes(m.grads), human_bytes(m.optimizer),
-          human_bytes(m.activations), human_bytes(m.peak)] for m in plan.memory],
-        ["rank", "params", "grads", "optimizer (Adam)", "activations", "peak"],
+          human_bytes(m.params + m.grads + m.optimizer), human_bytes(m.activations),
+          human_bytes(m.peak), human_bytes(m.moved)] for m in plan.memory],
+        ["rank", "params", "grads", "optimizer (Adam)", "at rest", "activations", "peak",
+         "moved per step"],
         "none",
     ))
+    out.append("  at rest = params + grads + optimizer state held between steps; peak = at rest +"
+               " activations (estimated);\n  moved per step = collective bytes per training step"
+               " (all-gather / reduce-scatter of X bytes: X, all-reduce: 2X)")
     out.append("")
     out.append(_section(
         "passes",

@@ -104,6 +104,7 @@ class CollectiveInfo:
     bytes: int
     issued_at: str
     waited_at: str
+    dtype: str = ""  # the dtype it moves (mixed precision: bf16 gathers, fp32 reductions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     peak: int
+    moved: int = 0  # bytes this rank moves in collectives per training step (ZeRO accounting)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -348,5 +348,34 @@ class ZeroLayout:
         """Every state-dict name of every parameter (tied aliases included) -> its record."""
         return {name: record for record in self.params for name in record.names}
 
+    def held_bytes(self, optimizer_states: int = 2) -> tuple[int, int, int]:
+        """Bytes this rank holds between steps: (parameters, gradients, optimizer state).
+
+        Parameters: the flat buffers (stages 0 and 1: whole; 2 and 3: this rank's padded rows).
+        Gradients (after the backward, until ``zero_grad``): whole at stages 0 and 1, this
+        rank's rows at 2 and 3. Optimizer state: ``optimizer_states`` tensors (Adam: 2) of
+        this rank's rows (stage 0: whole). Frozen parameters have neither.
+        """
+        params = grads = optimizer = 0
+        for record in self.params:
+            itemsize = getattr(torch, record.dtype).itemsize
+            params += record.shard_numel * itemsize
+            if not record.requires_grad:
+                continue
+            whole = record.numel
+            local = record.local_rows * (record.numel // record.shape[0]) if (
+                record.sharded and record.shape and record.shape[0]) else whole
+            grads += (whole if record.op_stage == 0 else local) * itemsize
+            optimizer += optimizer_states * local * itemsize
+        return params, grads, optimizer
+
+    def step_gather_bytes(self) -> int:
+        """ZeRO-1: bytes of the one all-gather after ``optimizer.step()`` (0 otherwise)."""
+        if self.zero != 1 or self.dp == 1:
+            return 0
+        return sum(self.dp * rows_per_shard(r.shape, self.dp) * row_numel(r.shape)
+                   * getattr(torch, r.dtype).itemsize
+                   for r in self.params if r.sharded and r.requires_grad)
+
 
 __all__ += ["MixedPrecision", "ParamShard", "ZeroLayout"]

@@ -72,6 +72,25 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return total
 
 
+def measured_at_rest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the storages behind this rank's parameters, gradients and Adam moments."""
+    from zeroc.sharded_params import sharded_of
+
+    def local(value: torch.Tensor) -> torch.Tensor:
+        return value.to_local() if hasattr(value, "to_local") else value
+
+    storages: dict[int, int] = {}
+    for param in model.parameters():
+        tensors = [sharded_of(param).flat]
+        if param.grad is not None:
+            tensors.append(local(param.grad))
+        tensors += [local(optimizer.state[param][k]) for k in ("exp_avg", "exp_avg_sq")]
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
                    mixed_precision: str | None = None) -> dict:
     """Train ``name`` compiled at ``zero`` on this rank's slice; return what the tests check."""
@@ -91,8 +110,9 @@ def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
         loss = compiled(tokens[rows], targets[rows])
         loss.backward()
         optimizer.step()
-        if zero == 3 and len(losses) == STEPS - 1:
+        if len(losses) == STEPS - 1:
             held = state_bytes(model, optimizer)
+            held_at_rest = measured_at_rest(model, optimizer)
         optimizer.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -105,6 +125,9 @@ def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
         "bucket_params": [c.params for c in plan.collectives],
         "meta": (plan.meta.world_size, plan.meta.mesh, plan.meta.zero),
         "state_bytes": held if zero == 3 else None,
+        "at_rest": held_at_rest,
+        "plan_memory": [(m.params, m.grads, m.optimizer, m.moved) for m in plan.memory],
+        "numel": sum(r.numel for r in model._zeroc_layout.params),
         "padded_numel": sum(p.padded_numel for p in model._zeroc_layout.params),
         "num_params": len(list(model.parameters())),
     }
@@ -183,9 +206,9 @@ def test_collectives_are_counted_in_the_compiled_graphs(two_ranks) -> None:
     by_stage = {z: two_ranks[0][("gpt", z)]["collectives"] for z in (0, 1, 2, 3)}
     ops = {z: {(graph.split(".")[1], op) for graph, op, _b, _n in c} for z, c in by_stage.items()}
     assert ops[0] == {("backward", "all_reduce")}
-    # ZeRO-1 keeps whole parameters: no gather in the graphs (its one all-gather of updated
-    # rows runs after optimizer.step()).
-    assert ops[1] == {("backward", "all_reduce")}
+    # ZeRO-1 keeps whole parameters: no gather in the graphs; its one all-gather of updated
+    # rows runs after optimizer.step() (the plan lists it as graph "optimizer.step").
+    assert ops[1] == {("backward", "all_reduce"), ("step", "all_gather")}
     assert ops[2] == {("forward", "all_gather"), ("backward", "reduce_scatter")}
     assert ops[3] == {("forward", "all_gather"), ("backward", "all_gather"),
                       ("backward", "reduce_scatter")}
@@ -252,3 +275,34 @@ def test_zero3_state_on_a_rank_is_16_psi_over_nd(two_ranks) -> None:
     numel = sum(v.numel() for k, v in eager_reference("gpt")[1].items() if k != "lm_head.weight")
     assert got[0]["state_bytes"] == 16 * padded // 2
     assert got[0]["state_bytes"] + got[1]["state_bytes"] == 4 * padded + 12 * numel
+
+
+def check_stage_figures(results: list[dict], world: int) -> None:
+    """Per stage: the plan's bytes at rest equal what the rank holds, and the plan's bytes
+    moved per step follow the ZeRO arithmetic (Psi fp32 elements, N ranks)."""
+    for name in MODELS:
+        got = {z: [r[(name, z)] for r in results] for z in (0, 1, 2, 3)}
+        psi, padded = got[0][0]["numel"] * 4, got[3][0]["padded_numel"] * 4
+        for zero in (0, 1, 2, 3):
+            for rank_result in got[zero]:
+                params, grads, optimizer, moved = rank_result["plan_memory"][0]
+                assert params + grads + optimizer == rank_result["at_rest"], (name, zero)
+        rest = {z: sum(sum(m[0][:3]) for m in (r["plan_memory"] for r in got[z])) / world
+                for z in got}
+        moved = {z: got[z][0]["plan_memory"][0][3] for z in got}
+        assert rest[0] == 4 * psi and moved[0] == 2 * psi
+        assert rest[1] == 2 * psi + 2 * psi / world and moved[1] == 2 * psi + padded
+        assert rest[2] == rest[3] == (padded + 3 * psi) / world
+        assert moved[2] == 2 * padded and 2 * padded < moved[3] <= 3 * padded
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1000)
+def test_stage_memory_and_traffic_on_two_ranks(two_ranks) -> None:
+    check_stage_figures(two_ranks, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_stage_memory_and_traffic_on_four_ranks(four_ranks) -> None:
+    check_stage_figures(four_ranks, 4)
