@@ -1,17 +1,19 @@
 """Cut a (micro-batch) Dynamo graph into pipeline stages at module boundaries.
 
-Units. Every node that depends on a batch input belongs to the module it was traced in: the
-first entry of ``node.meta["nn_module_stack"]`` (``tok_emb``, ``layers.3``, ``lm_head``). A
-unit whose name ends in an index is a block (a child of a ``ModuleList``/``Sequential``);
-stages are cut only in front of blocks, so every stage holds at least one block: the units
-before the first block join the first stage, those after the last block the last stage.
+Units. Every node that depends on a batch input belongs to a unit: the repeated block it was
+traced in, found at any depth (``layers.3``, ``transformer.h.3``, ``m.model.layers.3``: see
+``zeroc.passes.stage_units``), or outside the blocks the module it was traced in
+(``tok_emb``, ``m.model.embed_tokens``, ``lm_head``). Stages are cut only in front of blocks,
+so every stage holds at least one block: the units before the first block join the first
+stage, those after the last block the last stage.
 Nodes traced outside any module that read a module's output (the loss, an embedding sum)
 run in the latest stage of their inputs.
 
 Balance. A unit costs its estimated time: FLOPs plus bytes moved times
 ``FLOPS_PER_BYTE`` (so a memory-bound embedding weighs what it really costs, not zero). The
 cut points minimise the most expensive stage (a linear-partition dynamic program). The user
-can pin them: ``split_points=["layers.4", ...]`` names the first unit of stages 1, 2, ...
+can pin them: ``split_points=["model.layers.4", ...]`` names, by its full dotted name, the
+block that starts stage 1, 2, ...
 
 Stage graphs. Values that read only placeholders (``zeroc.unshard`` gathers, rotary tables,
 positions, ``targets.view(-1)``) are recomputed in every stage that uses them, so they never
@@ -26,7 +28,6 @@ stages need..., model outputs...)``, the model outputs only on the last stage.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from zeroc.passes.microbatch_shapes import MicrobatchGraph
+from zeroc.passes.stage_units import find_blocks
 
 # A nominal machine balance: one byte moved costs about as much time as this many FLOPs.
 FLOPS_PER_BYTE = 10
@@ -71,23 +73,6 @@ class StageSplit:
     unit_costs: tuple[tuple[str, float], ...]
 
 
-def unit_of(node: torch.fx.Node) -> str | None:
-    """The top-level module a node was traced in (``layers.3``), or None for the root."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = str(next(iter(stack.values()))[0])
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path).lstrip(".")
-    return path or None
-
-
-def is_block(unit: str) -> bool:
-    """True for a child of a container: a unit whose last name is an index."""
-    return unit.rsplit(".", 1)[-1].isdigit()
-
-
 def _partition(costs: Sequence[float], parts: int) -> list[int]:
     """Start indices of ``parts`` contiguous groups of ``costs`` minimising the largest sum."""
     n = len(costs)
@@ -122,6 +107,9 @@ def assign_stages(
     """Stage of every batch-dependent node, the units of each stage, and each unit's cost."""
     # Anchored: traced in a module, or fed by such a node. Everything else reads only
     # placeholders (batch inputs, parameters, buffers) and is recomputed where it is used.
+    layout = find_blocks([n for n in mgraph.gm.graph.nodes if n.name in mgraph.batch_dependent],
+                         lambda n: _node_cost(mgraph, n.name))
+    unit_of = layout.unit_of
     anchored: set[str] = set()
     for node in mgraph.gm.graph.nodes:
         if node.op in ("placeholder", "output") or node.name not in mgraph.batch_dependent:
@@ -144,7 +132,7 @@ def assign_stages(
     for node in nodes:
         if units:
             unit_cost[position[node.name]] += _node_cost(mgraph, node.name)
-    blocks = [i for i, u in enumerate(units) if is_block(u)] or list(range(len(units)))
+    blocks = [i for i, u in enumerate(units) if layout.is_block(u)] or list(range(len(units)))
     if len(blocks) < num_stages:
         raise ValueError(
             f"zeroc pipeline: the model has {len(blocks)} layers "
@@ -153,7 +141,7 @@ def assign_stages(
             "stages or a deeper model"
         )
     if split_points is not None:
-        starts = _pinned_starts(units, split_points, num_stages)
+        starts = _pinned_starts(units, [units[i] for i in blocks], split_points, num_stages)
     else:
         # Segment i: block i plus the units up to the next block (and, for the first, before).
         segment = [0.0] * len(blocks)
@@ -172,7 +160,8 @@ def assign_stages(
     return stage, members, list(zip(units, unit_cost, strict=True))
 
 
-def _pinned_starts(units: list[str], split_points: Sequence[str], num_stages: int) -> list[int]:
+def _pinned_starts(units: list[str], blocks: list[str], split_points: Sequence[str],
+                   num_stages: int) -> list[int]:
     if len(split_points) != num_stages - 1:
         raise ValueError(
             f"zeroc pipeline: split_points={list(split_points)!r} names {len(split_points)} cut "
@@ -181,10 +170,10 @@ def _pinned_starts(units: list[str], split_points: Sequence[str], num_stages: in
         )
     starts = [0]
     for name in split_points:
-        if name not in units:
+        if name not in blocks:
             raise ValueError(
-                f"zeroc pipeline: split point {name!r} is not a module of the model's forward; "
-                f"allowed: {units}"
+                f"zeroc pipeline: split point {name!r} is not one of the model's blocks; give "
+                f"the full dotted name of a block that starts a stage: {_shorten(blocks)}"
             )
         if units.index(name) <= starts[-1]:
             raise ValueError(
@@ -193,6 +182,11 @@ def _pinned_starts(units: list[str], split_points: Sequence[str], num_stages: in
             )
         starts.append(units.index(name))
     return starts
+
+
+def _shorten(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} blocks)" if len(names) > limit else "")
 
 
 def _nbytes(value: Any) -> int:

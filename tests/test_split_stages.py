@@ -108,11 +108,13 @@ def test_pinned_split_points() -> None:
     ("stages", "points", "message"),
     [
         (4, None, "has 2 layers"),
-        (2, ["layers.7"], "not a module"),
+        (2, ["layers.7"], r"'layers.7' is not one of the model's blocks; .*: layers.0, layers.1$"),
+        (2, ["lm_head"], r"'lm_head' is not one of the model's blocks"),
         (2, ["layers.1", "lm_head"], "stages need 1"),
     ],
 )
 def test_split_errors(stages: int, points, message: str) -> None:
+    """A split point must be a block; the error lists the blocks found."""
     gm, inputs, params, batch, _ = capture(make("gpt", 2))
     mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
     with pytest.raises(ValueError, match=message):
@@ -174,3 +176,35 @@ def test_overlapped_graph_equals_forward_then_backward() -> None:
     # Interleaved, not concatenated: a backward node runs before the forward's last node.
     first_backward = next(i for i, name in enumerate(order) if name not in forward_ops)
     assert first_backward < len(forward_ops) - 1
+
+
+class Wrapped(torch.nn.Module):
+    """A user module around the zoo model: its blocks live at ``inner.body.layers.N``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = torch.nn.ModuleDict({"body": model})
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.inner["body"](idx, targets)
+
+    def example_batch(self, batch: int):
+        return self.inner["body"].example_batch(batch)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_blocks_are_found_at_any_depth(kind: str) -> None:
+    model = Wrapped(make(kind, 4))
+    gm, inputs, params, batch, (x, y) = capture(model)
+    mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
+    split = split_stages(mgraph, 4, params)
+    assert [s.units[0] for s in split.stages[1:]] == [
+        f"inner.body.layers.{i}" for i in (1, 2, 3)]
+    pinned = split_stages(mgraph, 2, params, split_points=["inner.body.layers.3"])
+    assert pinned.stages[1].units[0] == "inner.body.layers.3"
+    expected = model(x[:MICRO], y[:MICRO])
+    for result in (split, pinned):
+        torch.testing.assert_close(run_stages(result, inputs, batch), expected)
+    with pytest.raises(ValueError, match=r"'layers.3' is not one of the model's blocks; .*"
+                                         r"inner.body.layers.0, inner.body.layers.1"):
+        split_stages(mgraph, 2, params, split_points=["layers.3"])
