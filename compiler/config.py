@@ -48,6 +48,10 @@ class Config:
         batch.
     split_points: with pp > 1, the modules that start stages 1, 2, ... (e.g. ``["layers.4"]``);
         ``None`` balances the stages by the cost model.
+    loss_reduction: with pp > 1, how the micro-batches' losses combine: ``None`` proves it
+        from the graph (sum, mean, mean over non-ignored targets; anything else is refused);
+        ``"sum"``: the loss is a sum over samples; ``"mean"``: average the micro-batches'
+        losses (exact only for equal-sized means).
     """
 
     mode: str = "default"
@@ -63,6 +67,7 @@ class Config:
     schedule: str = "1f1b"
     microbatches: int | None = None
     split_points: tuple[str, ...] | None = None
+    loss_reduction: str | None = None
 
     @staticmethod
     def build(mode: str | None = None, options: Mapping[str, Any] | None = None) -> Config:
@@ -95,6 +100,9 @@ class Config:
     def cache_path(self) -> str:
         """``cache_dir`` with ``~`` expanded."""
         return os.path.expanduser(self.cache_dir)
+
+
+LOSS_REDUCTIONS = (None, "sum", "mean")
 
 
 def _check(key: str, value: Any) -> Any:
@@ -141,6 +149,11 @@ def _check(key: str, value: Any) -> Any:
                 "such as ['layers.4']"
             )
         return tuple(value)
+    if key == "loss_reduction":
+        if value not in LOSS_REDUCTIONS:
+            raise OptionError(f"zeroc: option loss_reduction={value!r} is not allowed; "
+                              f"allowed: {list(LOSS_REDUCTIONS)}")
+        return value
     if key == "prefetch":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise OptionError(f"zeroc: option prefetch={value!r} must be an integer >= 0")

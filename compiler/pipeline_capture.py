@@ -35,6 +35,7 @@ from zeroc.capture import parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
+from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
 from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
@@ -182,6 +183,9 @@ def _compile_pipeline(
                   torch.device("cpu"))
     # Stage graphs are always traced for training (a no_grad call runs their forwards only).
     gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
+    # The loss becomes a sum per micro-batch; the step divides once by the whole batch's
+    # denominator (computed from the full-batch inputs).
+    normalization = normalize_loss(gm, params, config.loss_reduction)
     mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, batch // microbatches)
     split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     position = layout.mesh.pp_index
@@ -216,6 +220,8 @@ def _compile_pipeline(
             position=position,
             global_ranks=layout.mesh.pp_group_ranks,
             group_name=layout.mesh.pp_group_name,
+            loss_kind=normalization.kind,
+            loss_denominator=normalization.denominator,
         ),
         programs,
     )

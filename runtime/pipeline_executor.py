@@ -73,6 +73,11 @@ class PipelineLayout:
     position: int
     global_ranks: tuple[int, ...]
     group_name: str
+    # How micro-batch losses combine (see zeroc.passes.loss_normalization): the graphs
+    # return numerators; the loss and every gradient are divided by the denominator, a
+    # graph of the full-batch inputs (None: 1). "micro_mean" averages the micro-batches.
+    loss_kind: str = "micro_mean"
+    loss_denominator: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +131,7 @@ class PipelineExecutor:
         self._pending_w: dict[tuple[int, int], list[Any]] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._loss = torch.zeros((), dtype=torch.float64)
+        self._scale = self._normaliser(inputs)
         my_groups = self.groups[train][self.layout.position]
         spans = []
         with torch.no_grad():
@@ -145,6 +151,9 @@ class PipelineExecutor:
                             grads[index] = torch.zeros_like(inputs[index])
                 grads = exchange_and_sum(grads, self.layout.holders, self.layout.position,
                                          self.layout.global_ranks)
+                if self._scale != 1.0:
+                    for grad in grads.values():
+                        grad.mul_(self._scale)
         self.steps += 1
         return loss, grads
 
@@ -168,7 +177,19 @@ class PipelineExecutor:
                               for i in range(len(groups[r]))) for r, row in enumerate(rows)),
         )
         total = sum(float(row[0]) for row in rows)
-        return torch.tensor(total / self.layout.schedule.num_microbatches, dtype=torch.float32)
+        return torch.tensor(total * self._scale, dtype=torch.float32)
+
+    def _normaliser(self, inputs: list[Any]) -> float:
+        """1 / the loss's denominator for this batch (every rank has the whole batch)."""
+        if self.layout.loss_kind == "micro_mean":
+            return 1.0 / self.layout.schedule.num_microbatches
+        if self.layout.loss_denominator is None:
+            return 1.0
+        denominator = float(self.layout.loss_denominator(*inputs))
+        if denominator == 0:
+            raise ValueError("zeroc pipeline: the loss's denominator is 0 for this batch "
+                             "(every target is ignore_index)")
+        return 1.0 / denominator
 
     # -- compute --------------------------------------------------------------------------
 
@@ -247,9 +268,8 @@ class PipelineExecutor:
         for i in program.tangent_outputs:
             if i < len(program.out_keys):
                 tangents.append(grads_in[program.out_keys[i]])
-            else:
-                scale = 1.0 / self.layout.schedule.num_microbatches
-                tangents.append(torch.full((), scale, dtype=torch.float32))
+            else:  # d(numerator): the step scales every gradient by 1 / denominator at the end
+                tangents.append(torch.ones((), dtype=torch.float32))
         return saved + tangents
 
     def backward_results(self, stage: int, microbatch: int, grads: tuple) -> None:

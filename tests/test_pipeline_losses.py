@@ -1,0 +1,99 @@
+"""Pipelined losses equal eager on the global batch: sums, means, token means, a user's own.
+
+The zoo GPT returns logits; a wrapper computes the loss as a user would. On 2 gloo ranks
+(pp=2, 1F1B, 4 micro-batches) the pipelined loss and every gradient must equal single-process
+eager on the global batch, including when the micro-batches hold different numbers of
+non-ignored targets. A loss whose reduction cannot be proved is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_harness import RankError, run_ranks
+from models.gpt import GPT, GPTConfig
+from torch import nn
+
+import zeroc
+
+BATCH = 8
+IGNORE = -100
+
+
+class WithLoss(nn.Module):
+    """The zoo GPT (no targets: logits) followed by the loss ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.gpt = GPT(GPTConfig.tiny(), seed=5)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx).flatten(0, 1)
+        targets = targets.flatten()
+        if self.kind == "sum":
+            return F.cross_entropy(logits, targets, reduction="sum")
+        if self.kind == "token_mean":
+            return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+        if self.kind == "mse_mean":
+            return (logits.softmax(-1)[:, :4] - 0.25).square().mean()
+        if self.kind == "masked":  # a user's own token mean
+            mask = (targets != IGNORE).float()
+            per_token = F.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+            return (per_token * mask).sum() / mask.sum()
+        if self.kind == "unprovable":
+            return F.cross_entropy(logits, targets.clamp(min=0)).square()
+        raise AssertionError(self.kind)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = GPTConfig.tiny()
+    generator = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=generator)
+    targets = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=generator)
+    # Uneven ignored targets: micro-batch k (2 rows) ignores a different share of its tokens.
+    for row in range(BATCH):
+        targets[row, : (row * 3) % cfg.block_size] = IGNORE
+    return idx, targets
+
+
+def pipeline_job(rank: int, world: int, kind: str) -> dict:
+    model = zeroc.parallelize(WithLoss(kind), zero=0, pp=2)
+    compiled = torch.compile(model, backend="zeroc",
+                             options={"schedule": "1f1b", "microbatches": 4})
+    loss = compiled(*batch())
+    loss.backward()
+    return {"loss": loss.item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", ["sum", "token_mean", "mse_mean", "masked"])
+def test_pipelined_loss_and_gradients_equal_eager(kind: str) -> None:
+    results = run_ranks(pipeline_job, 2, kind, timeout=300)
+    eager = WithLoss(kind)
+    loss = eager(*batch())
+    loss.backward()
+    grads = dict(eager.named_parameters())
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["loss"]), loss.detach(), rtol=1e-5,
+                                   atol=0)
+    seen = set()
+    for result in results:
+        for name, grad in result["grads"].items():
+            expected = grads[name].grad
+            torch.testing.assert_close(grad, expected, rtol=1e-5,
+                                       atol=1e-5 * expected.abs().max().item(), msg=name)
+            seen.add(name)
+    assert seen == set(grads)  # every parameter got its gradient on some rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_loss_whose_reduction_cannot_be_proved_is_refused() -> None:
+    with pytest.raises(RankError, match=r"cannot tell how the loss is reduced over the batch "
+                                        r"\(the loss is computed by square\).*loss_reduction"):
+        run_ranks(pipeline_job, 2, "unprovable", timeout=200)
