@@ -40,6 +40,7 @@ from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
 from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
 from zeroc.passes.schedule import build_schedule
+from zeroc.passes.specialize_shapes import size_inputs, specialize
 from zeroc.passes.split_stages import StageSplit, split_stages
 from zeroc.passes.split_weight_grad import split_weight_grad
 from zeroc.runtime.actions import ActionKind, Schedule
@@ -143,13 +144,42 @@ def compile_pipeline(
     session: CompileSession,
     layout: ZeroLayout,
 ) -> Callable[..., Any]:
-    """Compile one Dynamo graph of a pp > 1 model into a pipelined train step."""
+    """Compile one Dynamo graph of a pp > 1 model into a pipelined train step.
+
+    A graph with dynamic sizes (Dynamo's answer to a second batch size) gets one static
+    pipeline per distinct set of sizes, compiled on the first call that has them.
+    """
+    if size_inputs(example_inputs):
+        return _PerSizePipelines(gm, config, session, layout)
+    return _checked_compile(gm, example_inputs, config, session, layout)
+
+
+def _checked_compile(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+                     session: CompileSession, layout: ZeroLayout) -> Callable[..., Any]:
     try:
         return _compile_pipeline(gm, example_inputs, config, session, layout)
     except ValueError as error:
         if isinstance(error, PipelineError):
             raise
         raise PipelineError(str(error)) from None
+
+
+class _PerSizePipelines:
+    """Dispatch a dynamic-size graph's calls to a static pipeline compiled per size."""
+
+    def __init__(self, gm: torch.fx.GraphModule, config: Config, session: CompileSession,
+                 layout: ZeroLayout) -> None:
+        self.gm, self.config, self.session, self.layout = gm, config, session, layout
+        self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple(int(args[i]) for i in size_inputs(list(args)))
+        step = self.compiled.get(key)
+        if step is None:
+            step = self.compiled[key] = _checked_compile(
+                specialize(self.gm, list(args)), list(args), self.config, self.session,
+                self.layout)
+        return step(*args)
 
 
 def _compile_pipeline(

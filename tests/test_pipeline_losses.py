@@ -97,3 +97,51 @@ def test_a_loss_whose_reduction_cannot_be_proved_is_refused() -> None:
     with pytest.raises(RankError, match=r"cannot tell how the loss is reduced over the batch "
                                         r"\(the loss is computed by square\).*loss_reduction"):
         run_ranks(pipeline_job, 2, "unprovable", timeout=200)
+
+
+def batch_sizes_job(rank: int, world: int) -> dict:
+    from models.gpt import GPT
+
+    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=5), zero=0, pp=2)
+    compiled = torch.compile(model, backend="zeroc",
+                             options={"schedule": "1f1b", "microbatches": 2})
+    out: dict = {"losses": [], "grads": []}
+    for size in (8, 4, 6):  # a short last batch, then another size
+        idx, targets = batch()
+        loss = compiled(idx[:size], targets[:size].clamp(min=0))
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None})
+        model.zero_grad()
+    strict = torch.compile(zeroc.parallelize(GPT(GPTConfig.tiny(), seed=5), zero=0, pp=2),
+                           backend="zeroc", options={"schedule": "1f1b", "microbatches": 4})
+    idx, targets = batch()
+    strict(idx, targets.clamp(min=0))
+    try:
+        strict(idx[:6], targets[:6].clamp(min=0))
+    except ValueError as error:
+        out["error"] = str(error)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_changing_batch_size_recompiles_or_says_what_divides_what() -> None:
+    from models.gpt import GPT
+
+    results = run_ranks(batch_sizes_job, 2, timeout=300)
+    eager = GPT(GPTConfig.tiny(), seed=5)
+    for step, size in enumerate((8, 4, 6)):
+        idx, targets = batch()
+        loss = eager(idx[:size], targets[:size].clamp(min=0))
+        loss.backward()
+        for result in results:
+            torch.testing.assert_close(torch.tensor(result["losses"][step]), loss.detach(),
+                                       rtol=1e-5, atol=0)
+            for name, grad in result["grads"][step].items():
+                expected = dict(eager.named_parameters())[name].grad
+                torch.testing.assert_close(grad, expected, rtol=1e-5,
+                                           atol=1e-5 * expected.abs().max().item(), msg=name)
+        eager.zero_grad()
+    assert "microbatches=4 does not divide the batch of 6" in results[0]["error"]
