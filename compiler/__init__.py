@@ -18,13 +18,21 @@ if TYPE_CHECKING:
     from zeroc.explain import explain
     from zeroc.runtime.plan import Plan
     from zeroc.runtime.zero_ops import MixedPrecision
-    from zeroc.training import clip_grad_norm_, no_sync, set_requires_gradient_sync
+    from zeroc.training import (
+        clip_grad_norm_,
+        data_parallel_rank,
+        data_parallel_size,
+        no_sync,
+        set_requires_gradient_sync,
+    )
 
 __all__ = [
     "Config",
     "MixedPrecision",
     "Plan",
     "clip_grad_norm_",
+    "data_parallel_rank",
+    "data_parallel_size",
     "explain",
     "full_state_dict",
     "load_full_state_dict",
@@ -38,6 +46,8 @@ _LAZY = {
     "MixedPrecision": ("zeroc.runtime.zero_ops", "MixedPrecision"),
     "Plan": ("zeroc.runtime.plan", "Plan"),
     "clip_grad_norm_": ("zeroc.training", "clip_grad_norm_"),
+    "data_parallel_rank": ("zeroc.training", "data_parallel_rank"),
+    "data_parallel_size": ("zeroc.training", "data_parallel_size"),
     "explain": ("zeroc.explain", "explain"),
     "no_sync": ("zeroc.training", "no_sync"),
     "set_requires_gradient_sync": ("zeroc.training", "set_requires_gradient_sync"),

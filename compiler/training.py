@@ -28,7 +28,8 @@ from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
 from zeroc.sharded_params import ZeroState, sharded_of, state_of
 from zeroc.sharded_params import set_requires_gradient_sync as _set_sync
 
-__all__ = ["clip_grad_norm_", "no_sync", "set_requires_gradient_sync"]
+__all__ = ["clip_grad_norm_", "data_parallel_rank", "data_parallel_size", "no_sync",
+           "set_requires_gradient_sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,25 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         _set_sync(state, previous)
+
+
+def data_parallel_rank(model: nn.Module) -> int:
+    """This rank's index on the data-parallel dimension: the rank to shard the data by.
+
+    Every rank of one pipeline (same data-parallel index) must get the same batch:
+    ``DistributedSampler(dataset, num_replicas=data_parallel_size(model),
+    rank=data_parallel_rank(model))``.
+    """
+    model = getattr(model, "_orig_mod", model)
+    layout = layout_of(model)
+    return 0 if layout is None else layout.mesh.dp_index
+
+
+def data_parallel_size(model: nn.Module) -> int:
+    """The number of data-parallel replicas (world // pp); 1 if not parallelized."""
+    model = getattr(model, "_orig_mod", model)
+    layout = layout_of(model)
+    return 1 if layout is None else layout.dp
 
 
 def _owned_by_this_position(param: torch.Tensor, pp_index: int) -> bool:

@@ -160,11 +160,13 @@ class PipelineExecutor:
     def _finish(self, spans: list[tuple[float, float]], train: bool) -> torch.Tensor:
         """All-gather loss shares and timings over the pipeline group; return the mean loss."""
         groups = self.groups[train]
-        width = 1 + 2 * max(len(g) for g in groups)
-        mine = torch.zeros(width, dtype=torch.float64)
+        digest = self._batch_digest()
+        timing_width = 2 * max(len(g) for g in groups)
+        mine = torch.zeros(1 + timing_width + digest.numel(), dtype=torch.float64)
         mine[0] = self._loss
         flat = torch.tensor([t for span in spans for t in span], dtype=torch.float64)
         mine[1:1 + flat.numel()] = flat
+        mine[1 + timing_width:] = digest
         group = resolve_group(self.layout.group_name)
         if group is None:
             rows = [mine]
@@ -176,8 +178,30 @@ class PipelineExecutor:
             times=tuple(tuple((float(row[1 + 2 * i]), float(row[2 + 2 * i]))
                               for i in range(len(groups[r]))) for r, row in enumerate(rows)),
         )
+        self._check_same_batch([row[1 + timing_width:] for row in rows])
         total = sum(float(row[0]) for row in rows)
         return torch.tensor(total * self._scale, dtype=torch.float32)
+
+    def _batch_digest(self) -> torch.Tensor:
+        """Two position-weighted sums per batch input: equal on ranks given equal batches."""
+        parts = []
+        for index in sorted(self.layout.batch_inputs):
+            flat = self._inputs[index].detach().reshape(-1).double()
+            weights = torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1
+            parts += [flat.sum(), (flat * weights.to(flat.device)).sum()]
+        return torch.stack(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+
+    def _check_same_batch(self, digests: list[torch.Tensor]) -> None:
+        """Every rank of a pipeline must run the same batch; raise on all of them if not."""
+        odd = [i for i, d in enumerate(digests) if not torch.equal(d, digests[0])]
+        if odd:
+            ranks = self.layout.global_ranks
+            raise ValueError(
+                f"zeroc pipeline: the ranks of one pipeline were given different batches "
+                f"(rank {ranks[0]} and rank {ranks[odd[0]]} differ): every rank of a pipeline "
+                "must pass the same batch. Shard the data over the data-parallel dimension "
+                "only, e.g. DistributedSampler(dataset, num_replicas=zeroc.data_parallel_size("
+                "model), rank=zeroc.data_parallel_rank(model))")
 
     def _normaliser(self, inputs: list[Any]) -> float:
         """1 / the loss's denominator for this batch (every rank has the whole batch)."""

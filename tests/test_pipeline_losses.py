@@ -145,3 +145,28 @@ def test_a_changing_batch_size_recompiles_or_says_what_divides_what() -> None:
                                            atol=1e-5 * expected.abs().max().item(), msg=name)
         eager.zero_grad()
     assert "microbatches=4 does not divide the batch of 6" in results[0]["error"]
+
+
+def mismatched_batch_job(rank: int, world: int) -> dict:
+    from models.gpt import GPT
+
+    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=5), zero=0, pp=2)
+    compiled = torch.compile(model, backend="zeroc", options={"microbatches": 2})
+    idx, targets = batch()
+    out = {"dp": (zeroc.data_parallel_rank(model), zeroc.data_parallel_size(model))}
+    compiled(idx, targets.clamp(min=0))  # the same batch everywhere: fine
+    try:  # a per-global-rank sampler: each rank of the pipeline gets other rows
+        compiled(idx.roll(rank, 0), targets.clamp(min=0))
+    except ValueError as error:
+        out["error"] = str(error)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_of_a_pipeline_given_different_batches_all_raise() -> None:
+    results = run_ranks(mismatched_batch_job, 2, timeout=240)
+    for result in results:
+        assert result["dp"] == (0, 1)
+        assert "rank 0 and rank 1 differ" in result["error"]
+        assert "zeroc.data_parallel_rank(model)" in result["error"]
