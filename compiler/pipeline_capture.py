@@ -21,6 +21,7 @@ multiplies them by the incoming gradient. Under ``torch.no_grad()`` only forward
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -339,12 +340,40 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
         raise ValueError(f"zeroc pipeline: stage {index} has {tangents} output gradients in its "
                          f"joint graph but {len(tangent_outputs)} outputs that require one")
     return StageProgram(
+        inference=_LazyInference(spec.gm, args, lambda g: passes(g, "inference", GRAPH_PASSES)),
         index=index, forward=fw, backward=bw, input_grad=split_bw.input_grad,
         weight_grad=split_bw.weight_grad, w_inputs=split_bw.w_inputs,
         num_input_grads=split_bw.num_input_grads, param_inputs=spec.param_inputs,
         local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
         num_model_outputs=spec.num_model_outputs, tangent_outputs=tangent_outputs,
     )
+
+
+class _LazyInference:
+    """A stage's forward-only graph, traced and compiled on its first ``no_grad`` call.
+
+    Traced without the joint: nothing is saved for a backward, and the fused loss computes no
+    head gradients (``need_grad=False``)."""
+
+    def __init__(self, stage_gm: torch.fx.GraphModule, args: list[Any],
+                 compile_graph: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]) -> None:
+        self.stage_gm = stage_gm
+        self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        self.compile_graph = compile_graph
+        self.graph: torch.fx.GraphModule | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.graph is None:
+            gm = torch.fx.GraphModule(self.stage_gm, copy.deepcopy(self.stage_gm.graph))
+            for node in gm.graph.nodes:
+                if node.target is torch.ops.zeroc.linear_cross_entropy.default:
+                    node.args = (*node.args[:7], False)
+            gm.recompile()
+            with torch.no_grad():
+                traced = aot_export_joint_simple(gm, self.args, trace_joint=False)
+            self.graph = self.compile_graph(traced)
+            self.stage_gm = self.args = None  # type: ignore[assignment]
+        return self.graph(*args)
 
 
 class _TrainStep(torch.autograd.Function):

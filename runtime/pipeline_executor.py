@@ -57,6 +57,9 @@ class StageProgram:
     tangent_outputs: tuple[int, ...]
     # F&B graphs of this stage's forward with another stage's backward, by backward stage.
     overlapped: dict[int, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    # The forward-only graph for torch.no_grad() calls (no saved activations), compiled on
+    # first use; None: run the training forward.
+    inference: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass
@@ -270,7 +273,9 @@ class PipelineExecutor:
         self._deliver("F", stage + 1, microbatch, message)
 
     def _forward(self, stage: int, microbatch: int) -> None:
-        outs = self.stages[stage].forward(*self.forward_args(stage, microbatch))
+        program = self.stages[stage]
+        run = program.forward if self._train or program.inference is None else program.inference
+        outs = run(*self.forward_args(stage, microbatch))
         self.forward_results(stage, microbatch, tuple(outs))
 
     def _deliver(self, kind: str, stage: int, microbatch: int,

@@ -170,3 +170,41 @@ def test_ranks_of_a_pipeline_given_different_batches_all_raise() -> None:
         assert result["dp"] == (0, 1)
         assert "rank 0 and rank 1 differ" in result["error"]
         assert "zeroc.data_parallel_rank(model)" in result["error"]
+
+
+def evaluation_job(rank: int, world: int) -> dict:
+    from models.gpt import GPT
+
+    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=5), zero=3, pp=2)
+    compiled = torch.compile(model, backend="zeroc", options={"microbatches": 2})
+    idx, targets = batch()
+    compiled(idx, targets.clamp(min=0)).backward()
+    from zeroc.runtime.pipeline_executor import PipelineExecutor
+
+    ran = []
+    for name in ("_backward", "_weight"):
+        original = getattr(PipelineExecutor, name)
+        setattr(PipelineExecutor, name,
+                lambda self, *a, _o=original, _n=name, **k: (ran.append(_n), _o(self, *a, **k)))
+    with torch.no_grad():
+        loss = compiled(idx, targets.clamp(min=0))
+    plan = zeroc.explain(compiled)
+    inference = [g for g in plan.graphs if g.kind == "inference"]
+    return {"loss": loss.item(), "backwards": ran, "inference": [g.name for g in inference],
+            "need_grad": ["True" in g.code.split("linear_cross_entropy")[-1].split(")")[0]
+                          for g in inference if "linear_cross_entropy" in g.code]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_evaluation_runs_forward_only_stage_graphs() -> None:
+    from models.gpt import GPT
+
+    results = run_ranks(evaluation_job, 2, timeout=240)
+    idx, targets = batch()
+    expected = GPT(GPTConfig.tiny(), seed=5)(idx, targets.clamp(min=0)).item()
+    for result in results:
+        assert result["backwards"] == []
+        assert result["loss"] == pytest.approx(expected, rel=1e-5)
+        assert len(result["inference"]) == 1 and result["inference"][0].endswith("inference")
+    assert results[1]["need_grad"] == [False]  # the head's fused loss computes no gradients
