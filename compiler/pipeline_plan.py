@@ -3,9 +3,14 @@
 ``pipeline_plan(plan, record)`` is called by ``zeroc.explain`` for a session that compiled a
 pipelined model. It replaces the single-device stage row by one row per stage (modules,
 parameters, FLOPs and activation bytes per micro-batch from the split) and adds a
-``PipelineInfo``: the schedule drawn as a rank-by-time grid from the simulator (F=1, B=2,
-W=1, F&B=F+B), each rank's modelled and measured bubble ratio and its peak activations, and the
-last step's action timings for ``plan.chrome_trace``.
+``PipelineInfo``: the schedule drawn as a rank-by-time grid from the simulator with each
+stage's own costs, each rank's modelled and measured bubble ratio and its peak activations, and
+the last step's action timings for ``plan.chrome_trace``.
+
+Stage costs: once a step has run, the mean measured duration of each stage's F, B (or I + W)
+and W actions; before that, the cost model's estimate of each stage's forward (FLOPs plus
+bytes moved times ``FLOPS_PER_BYTE``) with B = 2F and W = F. The grid's legend says which, and
+the unit of one column.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zeroc.passes.split_stages import FLOPS_PER_BYTE
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.records import PipelineInfo, StageInfo
 from zeroc.runtime.schedule_grid import render_grid
@@ -35,18 +41,67 @@ def _measured_bubbles(labels: tuple[tuple[str, ...], ...],
     return tuple(ratios)
 
 
+def _modelled_costs(split: Any) -> tuple[tuple[float, float, float], ...]:
+    """(F, B, W) per stage from the cost model, in units of the cheapest forward."""
+    forward = [max(1.0, s.flops + FLOPS_PER_BYTE * s.bytes) for s in split.stages]
+    unit = min(forward)
+    return tuple((f / unit, 2 * f / unit, f / unit) for f in forward)
+
+
+def _measured_costs(labels: tuple[tuple[str, ...], ...],
+                    times: tuple[tuple[tuple[float, float], ...], ...],
+                    num_stages: int) -> tuple[tuple[float, float, float], ...] | None:
+    """(F, B, W) per stage in milliseconds: mean spans of the last step's single actions."""
+    spans: dict[tuple[str, int], list[float]] = {}
+    for rank_labels, rank_times in zip(labels, times, strict=True):
+        for label, (start, end) in zip(rank_labels, rank_times, strict=True):
+            kind, at, stage = label.partition("@s")
+            if not at or " " in label or "&" in label or not stage.isdigit():
+                continue
+            spans.setdefault((kind.rstrip("0123456789"), int(stage)), []).append(
+                1000 * (end - start))
+
+    def mean(kind: str, stage: int) -> float | None:
+        values = spans.get((kind, stage))
+        return sum(values) / len(values) if values else None
+
+    costs = []
+    for stage in range(num_stages):
+        forward, weight = mean("F", stage), mean("W", stage) or 0.0
+        backward = mean("B", stage) or (
+            (mean("I", stage) or 0.0) + weight if mean("I", stage) is not None else None)
+        if forward is None or backward is None:
+            return None
+        costs.append((forward, backward, min(weight, backward)))
+    return tuple(costs)
+
+
 def pipeline_info(record: Any) -> PipelineInfo:
     """Freeze a ``PipelineRecord`` (schedule, split, executor) into a ``PipelineInfo``."""
     schedule, split = record.schedule, record.split
-    timeline = simulate(schedule, ActionCosts())
+    timings = record.executor.timings
+    labels = timings.labels if timings is not None else ()
+    times = timings.times if timings is not None else ()
+    measured = _measured_costs(labels, times, schedule.num_stages) if labels else None
+    stage_costs = measured or _modelled_costs(split)
+    timeline = simulate(schedule, ActionCosts(stages=stage_costs))
+    # About 100 columns at most: a column is the shortest action or 1% of the step.
+    durations = [t.end - t.start for rank in timeline.ranks for t in rank if t.end > t.start]
+    unit = max(min(durations, default=1.0), timeline.makespan / 100)
+    legend = ("time unit: ms; stage costs measured in the last step:\n  "
+              + ", ".join(f"s{s} F={f:.3g} B={b:.3g} W={w:.3g}"
+                          for s, (f, b, w) in enumerate(stage_costs))
+              if measured else
+              "time unit: the cheapest stage's forward; stage costs from the cost model:\n  "
+              + ", ".join(f"s{s} F={f:.3g}" for s, (f, _, _) in enumerate(stage_costs))
+              + ", B = 2F, W = F")
+    legend += ("\nbubble (model): idle share of the simulated step with these costs; bubble "
+               "(measured): idle share\nof the last real step, p2p waits included")
     per_stage = {s.index: s.activation_bytes for s in split.stages}
     peak_bytes = []
     for rank in range(schedule.num_ranks):
         stages = [s for s, ranks in enumerate(schedule.placement) if rank in ranks]
         peak_bytes.append(timeline.peak_activations[rank] * max(per_stage[s] for s in stages))
-    timings = record.executor.timings
-    labels = timings.labels if timings is not None else ()
-    times = timings.times if timings is not None else ()
     return PipelineInfo(
         schedule=schedule.name,
         num_ranks=schedule.num_ranks,
@@ -55,7 +110,7 @@ def pipeline_info(record: Any) -> PipelineInfo:
         placement=schedule.placement,
         actions=tuple(tuple(str(a) for a in schedule.compute_actions(r))
                       for r in range(schedule.num_ranks)),
-        grid=render_grid(schedule, timeline),
+        grid=render_grid(schedule, timeline, time_unit=unit) + "\n" + legend,
         bubble_ratios=tuple(timeline.bubble_ratio(r) for r in range(schedule.num_ranks)),
         measured_bubble_ratios=_measured_bubbles(labels, times),
         peak_activations=timeline.peak_activations,

@@ -6,18 +6,29 @@ early (prefetch) and the wait late (overlap).
 
 Bytes moved per rank follow the ZeRO paper's accounting: an all-gather or a reduce-scatter of
 a buffer of Ψ bytes moves Ψ, an all-reduce moves 2Ψ.
+
+Gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones its input, all-reduces
+the clone and, when waited, copies this rank's chunk out. A graph that owns the buffer it
+reduces does better with an in-place all-reduce of that buffer and ``zeroc::rank_chunk_mean``
+(``reduce_scatter_runs_as_all_reduce`` says when): the same bytes on the wire, without the
+clone and the copy. Such a reduction is still recorded as the reduce-scatter it stands for.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from zeroc.runtime.mesh import resolve_group
 
 functional = torch.ops._c10d_functional
 
 ISSUE_OPS = {
     functional.all_gather_into_tensor.default: "all_gather",
+    functional.all_gather_into_tensor_coalesced.default: "all_gather",
     functional.reduce_scatter_tensor.default: "reduce_scatter",
     functional.all_reduce.default: "all_reduce",
+    functional.all_reduce_.default: "all_reduce",
 }
 WAIT_OP = functional.wait_tensor.default
 
@@ -31,3 +42,37 @@ def collective_bytes(op: str, in_bytes: int, out_bytes: int) -> int:
     if op == "all_reduce":
         return 2 * in_bytes
     raise ValueError(f"unknown collective {op!r}; known: all_gather, reduce_scatter, all_reduce")
+
+
+def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device) -> bool:
+    """Whether the group reduce-scatters tensors of ``device`` by an all-reduce (gloo)."""
+    group = resolve_group(group_name)
+    if group is None:
+        return False
+    try:
+        backend = group._get_backend(torch.device(device))
+    except (RuntimeError, ValueError):
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
+
+
+_LIB = torch.library.Library("zeroc", "FRAGMENT")
+_LIB.define("rank_chunk_mean(Tensor summed, int group_size, str group_name) -> Tensor")
+
+
+@torch.library.impl(_LIB, "rank_chunk_mean", "CompositeExplicitAutograd")
+def _rank_chunk_mean(summed: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """This rank's chunk of the all-reduced 1-D ``summed`` (``group_size`` equal chunks,
+    rank-major), divided by ``group_size``: what ``reduce_scatter_tensor`` followed by the
+    division returns. A fresh tensor."""
+    rank = dist.get_rank(resolve_group(group_name))
+    return summed.view(group_size, -1)[rank].div(group_size)
+
+
+@torch.library.register_fake("zeroc::rank_chunk_mean", lib=_LIB)
+def _rank_chunk_mean_fake(summed: torch.Tensor, group_size: int,
+                          group_name: str) -> torch.Tensor:
+    return summed.new_empty(summed.shape[0] // group_size)
+
+
+RANK_CHUNK_MEAN = torch.ops.zeroc.rank_chunk_mean.default

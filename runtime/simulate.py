@@ -39,7 +39,9 @@ class ActionCosts:
 
     ``backward`` is the full backward ``B``; ``input`` (``I``) defaults to ``backward -
     weight``; ``overlapped`` (``FB``) defaults to ``forward + backward`` (no overlap gain).
-    ``p2p_latency`` is added to every dependency that crosses ranks.
+    ``p2p_latency`` is added to every dependency that crosses ranks. ``stages``, when given,
+    holds one ``(F, B, W)`` per stage and overrides the three kind-wide values for that stage
+    (``I = B - W``; ``FB`` = its forward's ``F`` + its backward's ``B``).
     """
 
     forward: float = 1.0
@@ -48,8 +50,13 @@ class ActionCosts:
     input: float | None = None
     overlapped: float | None = None
     p2p_latency: float = 0.0
+    stages: tuple[tuple[float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if any(v < 0 for costs in self.stages for v in costs) or any(
+                w > b for _, b, w in self.stages):
+            raise ValueError(f"ActionCosts.stages must hold (F, B, W) >= 0 with W <= B, got "
+                             f"{self.stages}")
         for name in ("forward", "backward", "weight", "input", "overlapped", "p2p_latency"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -63,6 +70,18 @@ class ActionCosts:
     def of(self, action: Action) -> float:
         """Duration of one compute action."""
         kind = action.kind
+        if self.stages and action.is_compute:
+            forward, backward, weight = self.stages[action.stage]
+            if kind is ActionKind.F:
+                return forward
+            if kind is ActionKind.B:
+                return backward
+            if kind is ActionKind.W:
+                return weight
+            if kind is ActionKind.I:
+                return backward - weight
+            if kind is ActionKind.FB:
+                return forward + self.stages[action.b_stage][1]
         if kind is ActionKind.F:
             return self.forward
         if kind is ActionKind.B:

@@ -160,3 +160,31 @@ def test_grid_time_unit_and_errors():
         render_grid(schedule, time_unit=0)
     with pytest.raises(ValueError, match="timeline has 4 ranks"):
         render_grid(schedule, simulate(build_schedule("1f1b", 4, 4)))
+
+
+
+
+def test_per_stage_costs_drive_the_simulation() -> None:
+    """With a last stage three times the first, GPipe's step is bound by the slow stage."""
+    schedule = build_schedule("gpipe", 2, 4)
+    even = simulate(schedule, ActionCosts(stages=((1, 2, 1), (1, 2, 1))))
+    uneven = simulate(schedule, ActionCosts(stages=((1, 2, 1), (3, 6, 3))))
+    assert even.makespan == simulate(schedule, ActionCosts()).makespan
+    # Stage 1's forwards and backwards run back to back: 4 * 3 + 4 * 6, plus stage 0's first
+    # forward before it and last backward after it.
+    assert uneven.makespan == 4 * 3 + 4 * 6 + 1 + 2
+    assert uneven.bubble_ratio(0) > even.bubble_ratio(0)
+    assert ActionCosts(stages=((1, 4, 1), (2, 6, 2))).of(overlapped(0, 1, 1, 0)) == 1 + 6
+    with pytest.raises(ValueError, match=r"ActionCosts.stages must hold"):
+        ActionCosts(stages=((1, 1, 2),))
+
+
+def test_plan_grid_uses_measured_stage_costs() -> None:
+    from zeroc.pipeline_plan import _measured_costs
+
+    labels = (("F0@s0", "F1@s0", "SEND_F0@s0->r1", "B0@s0"), ("F0@s1", "I0@s1", "W0@s1"))
+    times = (((0.0, 0.002), (0.002, 0.006), (0.006, 0.007), (0.01, 0.02)),
+             ((0.0, 0.001), (0.001, 0.003), (0.003, 0.004)))
+    costs = _measured_costs(labels, times, 2)
+    assert [c for stage in costs for c in stage] == pytest.approx([3.0, 10.0, 0.0, 1.0, 3.0, 1.0])
+    assert _measured_costs(labels[:1], times[:1], 2) is None  # stage 1 never ran here
