@@ -16,6 +16,7 @@ from zeroc.config import Config
 from zeroc.errors import OptionError, passthrough
 from zeroc.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
 from zeroc.runtime.consistency import PlanMismatchError
+from zeroc.runtime.shutdown import drop_captured_groups
 from zeroc.session import find_compile_wrapper, session_for
 
 
@@ -30,6 +31,9 @@ def zeroc_backend(
     ``mode`` and ``options`` are what the user passed to ``torch.compile``; they are
     validated into one frozen :class:`zeroc.config.Config` (``ValueError`` on bad input).
     """
+    # torch.compile imported torch._dynamo (and with it torch.distributed.nn) just now, maybe
+    # after init_process_group: do not let those imports keep the default group alive.
+    drop_captured_groups()
     try:
         config = Config.build(mode, options)
         session = session_for(find_compile_wrapper(), config)

@@ -11,16 +11,21 @@ absent) or one built here with ``init_device_mesh``. The mesh's ``dp`` dimension
 mesh of the parameters' DTensors. Without an initialized process group the mesh is a single
 rank (world 1), no group and no DeviceMesh exist. A built mesh is cached per (default group,
 pp, device type): group creation is collective, so every rank creates every group in the same
-order.
+order. The cache holds the default group weakly and forgets the meshes of destroyed groups,
+and every DeviceMesh used here is released of its destroyed groups at exit
+(``zeroc.runtime.shutdown``): nothing keeps a destroyed group and its threads alive.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from zeroc.runtime import shutdown
 
 __all__ = ["Mesh", "build_mesh", "resolve_group"]
 
@@ -76,9 +81,22 @@ def pp_ranks_of(dp_index: int, pp: int, dp: int) -> tuple[int, ...]:
     return tuple(p * dp + dp_index for p in range(pp))
 
 
-# (pp, device type) -> (default group object, Mesh); the group object is compared by
-# identity so a destroyed and re-initialized default group never reuses stale sub-groups.
-_MESH_CACHE: dict[tuple[int, str], tuple[object, Mesh]] = {}
+# (pp, device type) -> (weak reference to the default group, Mesh); the group object is
+# compared by identity so a destroyed and re-initialized default group never reuses stale
+# sub-groups, and held weakly so that the cache never keeps a destroyed group alive.
+_MESH_CACHE: dict[tuple[int, str], tuple[weakref.ref, Mesh]] = {}
+
+
+def _forget_destroyed_meshes() -> int:
+    """Drop the cached meshes of a destroyed default group; return how many."""
+    stale = [key for key, (group, _) in _MESH_CACHE.items()
+             if group() is None or shutdown.is_destroyed(group())]
+    for key in stale:
+        del _MESH_CACHE[key]
+    return len(stale)
+
+
+shutdown.on_release(_forget_destroyed_meshes)
 
 
 def _world_and_rank() -> tuple[int, int, object | None]:
@@ -111,14 +129,15 @@ def build_mesh(pp: int = 1, device_mesh: Any = None, device_type: str = "cpu") -
     if world_group is None:
         return Mesh(world=1, pp=1, dp=1, rank=0, pp_index=0, dp_index=0, dp_group_name="",
                     dp_group_ranks=(0,), pp_group_name="", pp_group_ranks=(0,))
+    shutdown.release_destroyed_groups()
     cached = _MESH_CACHE.get((pp, device_type))
-    if cached is not None and cached[0] is world_group:
+    if cached is not None and cached[0]() is world_group:
         return cached[1]
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(device_type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
     mesh = _from_device_mesh(device_mesh, pp, world, rank)
-    _MESH_CACHE[(pp, device_type)] = (world_group, mesh)
+    _MESH_CACHE[(pp, device_type)] = (weakref.ref(world_group), mesh)
     return mesh
 
 
@@ -139,6 +158,8 @@ def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int) -> Mesh:
                          f"{mesh_pp}: pass pp={mesh_pp} or leave pp out")
     dp = device_mesh.size(names.index("dp"))
     dp_mesh = device_mesh["dp"] if len(names) == 2 else device_mesh
+    shutdown.track_device_mesh(device_mesh)
+    shutdown.track_device_mesh(dp_mesh)
     dp_group = dp_mesh.get_group()
     if "pp" in names:
         pp_group = device_mesh.get_group("pp")
