@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_TAG = "exit_stress: loss"
+RUN_MARK = "ZEROC_EXIT_STRESS_RUN"
 # Lines of a failed run worth reporting, most telling first.
 _FAILURE_PATTERNS = (
     re.compile(r"terminate called.*"),
@@ -195,17 +196,21 @@ def launch(stage: int, pp: bool, args: argparse.Namespace) -> Run:
         os.path.abspath(__file__), "--worker", "--stage", str(stage), "--steps", str(args.steps),
     ] + (["--pp"] if pp else []) + (["--inspect"] if args.inspect else []) + (
         ["--provoke", str(args.provoke)] if args.provoke else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A mark in the environment of every process of this run, to stop exactly those if it hangs.
+    marker = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{RUN_MARK: marker})
     start = time.monotonic()
-    # Its own session, so that a hung run is stopped with every rank it started, and only them.
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        return Run(124, time.monotonic() - start, LOSS_TAG in stdout,
+        stop_run(process, marker)
+        try:
+            stdout, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout = ""
+        return Run(124, time.monotonic() - start, LOSS_TAG in (stdout or ""),
                    f"timed out after {args.timeout} s")
     code = process.returncode
     output = stdout + stderr
@@ -221,6 +226,30 @@ def launch(stage: int, pp: bool, args: argparse.Namespace) -> Run:
             log.write(output)
         message += f" (log: {os.path.join(args.log_dir, name)})"
     return Run(code, time.monotonic() - start, LOSS_TAG in stdout, message)
+
+
+def stop_run(process: subprocess.Popen, marker: str) -> None:
+    """Stop a hung run: torchrun (which stops its ranks), then any rank still carrying ``marker``.
+
+    torchrun starts every rank in a session of its own, so a signal to torchrun's process group
+    does not reach them; they are found by the mark in their environment instead.
+    """
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    needle = f"{RUN_MARK}={marker}".encode()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()] if os.path.isdir("/proc") else []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if needle not in environ.read().split(b"\0"):
+                    continue
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def table(tallies: Sequence[Tally]) -> str:
