@@ -1,27 +1,30 @@
-"""zeroc ZeRO-3 against FSDP2 (eager and compiled) and DDP: step time, peak RSS, model state.
+"""zeroc ZeRO-3 and ZeRO-2 against FSDP2 (eager and compiled) and DDP: step time and memory.
 
 The zoo GPT (about 4.2M parameters by default: width 256, 4 layers, vocab 4096, sequence 128)
 trains with AdamW on 2 gloo ranks on CPU, batch 8 x 128 per rank. Each configuration runs in
 its own fresh ranks (``zeroc.launch.run_ranks``, one thread per rank), so the peak RSS a rank
 reports belongs to that configuration alone:
 
-- ``ddp``: ``DistributedDataParallel``, eager.
+- ``zeroc_zero3``: ``zeroc.parallelize(model, zero=3)``, then ``torch.compile(model,
+  backend="zeroc", options={"bucket_mb": ..., "prefetch": ...})``.
+- ``zeroc_zero2``: the same with ``zero=2``.
 - ``fsdp2``: ``fully_shard`` on every ``layers.{i}`` and then on the root, eager.
 - ``fsdp2_compiled``: the same, then ``torch.compile(model, backend="aot_eager")``.
-- ``zeroc``: ``zeroc.parallelize(model, zero=3)``, then ``torch.compile(model,
-  backend="zeroc", options={"bucket_mb": ..., "prefetch": ...})``.
+- ``ddp``: ``DistributedDataParallel``, eager.
 
 Per rank: the median wall time of ``--steps`` full steps (forward, backward, AdamW step,
 zero_grad) after ``--warmup`` discarded ones (the first compiles); the median CPU time of a step
 (``process_time`` of all the rank's threads: less sensitive to other processes' load, blind to
-waiting); ``ru_maxrss`` at the start, after the warm-up and at the end (the peak); the RSS after
-the timed steps (steady); and the bytes of parameters, gradients and Adam moments on the rank
-(RSS is dominated by the runtime, so model state is counted directly). A configuration reports
-its slower rank. ``--repeats`` runs all configurations round-robin and keeps each one's fastest
-repeat, so that load from other processes disturbs the comparison less. ``--bucket-mb`` and
-``--prefetch`` take lists: zeroc then runs once per combination.
+waiting); ``ru_maxrss`` at the end (the peak); the RSS after the timed steps (steady); and the
+bytes of parameters, gradients and Adam moments on the rank. A repeat of a configuration
+reports its slower rank. ``--repeats`` runs the configurations interleaved (repeat r runs every
+configuration once before repeat r + 1 starts), and each number reported is the median over
+the repeats, so load from other processes falls on all configurations alike. Ratios: ZeRO-3
+against FSDP2 eager, FSDP2 + aot_eager and DDP; ZeRO-2 against DDP and FSDP2 eager.
+``--bucket-mb`` and ``--prefetch`` take lists: each zeroc configuration then runs once per
+combination.
 
-    python benchmarks/zero_vs_fsdp2.py --repeats 2 --json zero_vs_fsdp2.json
+    python benchmarks/zero_vs_fsdp2.py --repeats 3 --json zero_vs_fsdp2.json
 """
 
 from __future__ import annotations
@@ -50,9 +53,13 @@ from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 
 from zeroc.launch import run_ranks  # noqa: E402
 
-CONFIGS = ("ddp", "fsdp2", "fsdp2_compiled", "zeroc")
-SUBJECT = "zeroc"
-BASELINES = ("fsdp2", "fsdp2_compiled", "ddp")
+CONFIGS = ("zeroc_zero3", "zeroc_zero2", "fsdp2", "fsdp2_compiled", "ddp")
+ZEROC_STAGES = {"zeroc_zero3": 3, "zeroc_zero2": 2}
+# (zeroc configuration, baseline) pairs the ratio table shows.
+RATIOS = (("zeroc_zero3", "fsdp2"), ("zeroc_zero3", "fsdp2_compiled"), ("zeroc_zero3", "ddp"),
+          ("zeroc_zero2", "ddp"), ("zeroc_zero2", "fsdp2"))
+# Per-repeat numbers whose median over the repeats is reported.
+NUMBERS = ("step_ms", "cpu_ms", "peak_rss_mb", "steady_rss_mb", "model_state_mb", "wall_s")
 
 
 @dataclass(frozen=True)
@@ -71,25 +78,33 @@ class Setup:
 
 @dataclass
 class Measurement:
-    """One configuration's numbers over its ranks; ``None`` where it failed."""
+    """One repeat of one configuration over its ranks (the slower rank); ``None`` if it failed."""
 
     config: str
-    step_median_ms: float | None = None
-    step_median_ms_per_rank: list[float] = field(default_factory=list)
-    step_min_ms: float | None = None
-    cpu_median_ms: float | None = None
+    step_ms: float | None = None
+    step_ms_per_rank: list[float] = field(default_factory=list)
+    cpu_ms: float | None = None
     peak_rss_mb: float | None = None
-    peak_rss_mb_per_rank: list[float] = field(default_factory=list)
-    start_peak_rss_mb: float | None = None
-    warm_peak_rss_mb: float | None = None
     steady_rss_mb: float | None = None
-    repeat_medians_ms: list[float] = field(default_factory=list)
     model_state_mb: float | None = None
     final_loss: float | None = None
     wall_s: float | None = None
     profile: str | None = None
     plan: str | None = None
     error: str | None = None
+
+
+@dataclass
+class Summary:
+    """A configuration's medians over its repeats, and each repeat's step and peak RSS."""
+
+    config: str
+    kind: str
+    medians: dict[str, float | None]
+    step_ms_per_repeat: list[float | None]
+    peak_rss_mb_per_repeat: list[float | None]
+    final_loss: float | None
+    errors: list[str]
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -99,7 +114,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         tensors = [param, param.grad]
         tensors += [optimizer.state.get(param, {}).get(k) for k in ("exp_avg", "exp_avg_sq")]
         for tensor in tensors:
-            if tensor is not None:  # a DTensor (FSDP2) counts its local shard
+            if tensor is not None:  # a DTensor (FSDP2, zeroc) counts its local shard
                 part = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 total += part.numel() * part.element_size()
     return total
@@ -117,7 +132,7 @@ def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def build(name: str, setup: Setup, rank: int) -> tuple[torch.nn.Module, Any]:
+def build(name: str, setup: Setup) -> tuple[torch.nn.Module, Any]:
     """The model wrapped as configuration ``name`` and the callable that runs a step's forward."""
     torch._dynamo.reset()
     model = GPT(setup.model, seed=0)
@@ -135,10 +150,10 @@ def build(name: str, setup: Setup, rank: int) -> tuple[torch.nn.Module, Any]:
         if name == "fsdp2":
             return model, model
         return model, torch.compile(model, backend="aot_eager")
-    if name == "zeroc":
+    if name in ZEROC_STAGES:
         import zeroc
 
-        zeroc.parallelize(model, zero=3)
+        zeroc.parallelize(model, zero=ZEROC_STAGES[name])
         options = {"bucket_mb": setup.bucket_mb, "prefetch": setup.prefetch,
                    "cache_dir": setup.cache_dir}
         return model, torch.compile(model, backend="zeroc", options=options)
@@ -174,18 +189,14 @@ def plan_summary(compiled: Any) -> str:
 
 def train_rank(rank: int, world: int, name: str, setup: Setup) -> dict[str, Any]:
     """Build configuration ``name``, train, and return this rank's timings and memory."""
-    start_peak_rss = max_rss_mb()
-    model, run = build(name, setup, rank)
+    model, run = build(name, setup)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     cfg = setup.model
     tokens, targets = random_token_batch(
         cfg.vocab_size, cfg.block_size, setup.batch, None, seed=1 + rank)
     times, cpu_times = [], []
     loss = torch.zeros(())
-    warm_peak_rss = start_peak_rss
     for step in range(setup.warmup + setup.steps):
-        if step == setup.warmup:
-            warm_peak_rss = max_rss_mb()
         dist.barrier()
         begin, cpu_begin = time.perf_counter(), time.process_time()
         loss = run(tokens, targets)
@@ -202,15 +213,14 @@ def train_rank(rank: int, world: int, name: str, setup: Setup) -> dict[str, Any]
     optimizer.zero_grad(set_to_none=True)
     peak_rss = max_rss_mb()
     table = profile_steps(run, optimizer, (tokens, targets), 5) if setup.profile else None
-    plan = plan_summary(run) if name == "zeroc" and rank == 0 else None
+    plan = plan_summary(run) if name in ZEROC_STAGES and rank == 0 else None
     return {"times": times, "cpu_times": cpu_times, "loss": float(loss.detach()),
-            "start_peak_rss_mb": start_peak_rss, "warm_peak_rss_mb": warm_peak_rss,
             "peak_rss_mb": peak_rss, "steady_rss_mb": steady_rss, "state_bytes": state,
             "profile": table if rank == 0 else None, "plan": plan}
 
 
 def measure(label: str, kind: str, setup: Setup, world: int, timeout: float) -> Measurement:
-    """Run configuration ``kind`` in fresh ranks; failures are recorded, not raised."""
+    """Run configuration ``kind`` once in fresh ranks; failures are recorded, not raised."""
     result = Measurement(label)
     begin = time.perf_counter()
     try:
@@ -221,15 +231,11 @@ def measure(label: str, kind: str, setup: Setup, world: int, timeout: float) -> 
         print(f"[{label}] failed:\n{traceback.format_exc()}", file=sys.stderr)
         return result
     result.wall_s = time.perf_counter() - begin
-    result.step_median_ms_per_rank = [statistics.median(r["times"]) * 1000 for r in ranks]
-    result.step_median_ms = max(result.step_median_ms_per_rank)
-    result.step_min_ms = min(min(r["times"]) for r in ranks) * 1000
-    result.cpu_median_ms = max(statistics.median(r["cpu_times"]) for r in ranks) * 1000
-    result.peak_rss_mb_per_rank = [r["peak_rss_mb"] for r in ranks]
-    result.peak_rss_mb = max(result.peak_rss_mb_per_rank)
-    result.start_peak_rss_mb = max(r["start_peak_rss_mb"] for r in ranks)
-    result.warm_peak_rss_mb = max(r["warm_peak_rss_mb"] for r in ranks)
-    result.steady_rss_mb = max(r["steady_rss_mb"] for r in ranks)
+    result.step_ms_per_rank = [statistics.median(r["times"]) * 1000 for r in ranks]
+    result.step_ms = max(result.step_ms_per_rank)
+    result.cpu_ms = max(statistics.median(r["cpu_times"]) for r in ranks) * 1000
+    for key in ("peak_rss_mb", "steady_rss_mb"):
+        setattr(result, key, max(r[key] for r in ranks))
     result.model_state_mb = max(r["state_bytes"] for r in ranks) / 2**20
     result.final_loss = ranks[0]["loss"]
     result.profile = ranks[0]["profile"]
@@ -237,14 +243,13 @@ def measure(label: str, kind: str, setup: Setup, world: int, timeout: float) -> 
     return result
 
 
-def best_of(repeats: list[Measurement]) -> Measurement:
-    """The repeat with the lowest step median (the least disturbed on a shared machine)."""
-    timed = [m for m in repeats if m.step_median_ms is not None]
-    if not timed:
-        return repeats[-1]
-    best = min(timed, key=lambda m: m.step_median_ms)
-    best.repeat_medians_ms = [m.step_median_ms for m in timed]
-    return best
+def summarize(label: str, kind: str, repeats: list[Measurement]) -> Summary:
+    """The median over the repeats that ran of every number in ``NUMBERS``."""
+    ok = [m for m in repeats if m.error is None]
+    medians = {k: statistics.median(getattr(m, k) for m in ok) if ok else None for k in NUMBERS}
+    return Summary(label, kind, medians, [m.step_ms for m in repeats],
+                   [m.peak_rss_mb for m in repeats], ok[-1].final_loss if ok else None,
+                   [m.error for m in repeats if m.error])
 
 
 def ratio(numerator: float | None, denominator: float | None) -> str:
@@ -259,56 +264,52 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def report(results: dict[str, Measurement]) -> str:
-    """The absolute table and the ratio table as text."""
-    rows = [
-        [m.config, fmt(m.step_median_ms), " / ".join(fmt(v) for v in m.repeat_medians_ms),
-         fmt(m.step_min_ms), fmt(m.cpu_median_ms), fmt(m.peak_rss_mb, 0),
-         fmt(m.start_peak_rss_mb, 0), fmt(m.warm_peak_rss_mb, 0), fmt(m.steady_rss_mb, 0),
-         fmt(m.model_state_mb, 2), fmt(m.final_loss, 4), m.error or ""]
-        for m in results.values()
-    ]
-    absolute = tabulate(rows, headers=[
-        "config", "step median (ms)", "medians per repeat", "step min (ms)", "CPU ms/step",
-        "peak RSS (MiB)", "at start", "after warm-up", "RSS steady", "model state (MiB)",
-        "final loss", "error"])
+def report(results: dict[str, Summary]) -> str:
+    """The table of medians and the ratio table, as text."""
+    rows = []
+    for s in results.values():
+        m = s.medians
+        rows.append([
+            s.config, fmt(m["step_ms"]), " / ".join(fmt(v) for v in s.step_ms_per_repeat),
+            fmt(m["cpu_ms"]), fmt(m["peak_rss_mb"], 0),
+            " / ".join(fmt(v, 0) for v in s.peak_rss_mb_per_repeat),
+            fmt(m["steady_rss_mb"], 0), fmt(m["model_state_mb"], 2), fmt(s.final_loss, 4),
+            "; ".join(s.errors)])
+    absolute = tabulate(rows, disable_numparse=True, headers=[
+        "config", "step median (ms)", "per repeat", "CPU ms/step", "peak RSS (MiB)",
+        "per repeat", "RSS steady", "model state (MiB)", "final loss", "errors"])
     ratio_rows = []
-    for label, ours in results.items():
-        for other in BASELINES:
-            if not label.startswith(SUBJECT) or other not in results:
+    for ours in results.values():
+        for subject, baseline in RATIOS:
+            theirs = next((s for s in results.values() if s.kind == baseline), None)
+            if ours.kind != subject or theirs is None:
                 continue
-            theirs = results[other]
-            ratio_rows.append([
-                f"{label}/{other}",
-                ratio(ours.step_median_ms, theirs.step_median_ms),
-                ratio(ours.cpu_median_ms, theirs.cpu_median_ms),
-                ratio(ours.peak_rss_mb, theirs.peak_rss_mb),
-                ratio(ours.steady_rss_mb, theirs.steady_rss_mb),
-                ratio(ours.model_state_mb, theirs.model_state_mb),
-            ])
-    ratios = tabulate(ratio_rows, headers=[
-        "ratio", "step median", "CPU/step", "peak RSS", "RSS steady", "model state"])
-    return f"{absolute}\n\n{ratios}"
+            ratio_rows.append([f"{ours.config} / {theirs.config}"] + [
+                ratio(ours.medians[k], theirs.medians[k]) for k in NUMBERS[:-1]])
+    return absolute + "\n\n" + tabulate(ratio_rows, headers=[
+        "ratio of medians", "step", "CPU/step", "peak RSS", "RSS steady", "model state"])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--steps", type=int, default=20, help="timed steps per configuration")
+    add("--steps", type=int, default=20, help="timed steps per configuration and repeat")
     add("--warmup", type=int, default=5, help="discarded steps before them (compile included)")
     add("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     add("--bucket-mb", default="25", help="zeroc bucket_mb; a comma-separated list runs each")
     add("--prefetch", default="1", help="zeroc prefetch; a comma-separated list runs each")
-    add("--repeats", type=int, default=1, help="round-robin repeats; the fastest is reported")
+    add("--repeats", type=int, default=3,
+        help="interleaved repeats; the median over them is reported")
     add("--world", type=int, default=2, help="gloo ranks")
     add("--batch", type=int, default=8, help="sequences per rank")
     for name, default in (("seq", 128), ("d-model", 256), ("n-layer", 4), ("n-head", 4),
                           ("vocab", 4096)):
         add(f"--{name}", type=int, default=default)
-    add("--timeout", type=float, default=900, help="seconds per configuration")
-    add("--profile", action="store_true", help="profile 5 more steps, print rank 0's top ops")
-    add("--json", metavar="PATH", help="also write the results as JSON here")
+    add("--timeout", type=float, default=900, help="seconds per configuration and repeat")
+    add("--profile", action="store_true",
+        help="after each run profile 5 more steps and print rank 0's top ops")
+    add("--json", metavar="PATH", help="also write the results (every repeat) as JSON here")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         parser.error(f"--steps={args.steps} and --warmup={args.warmup} must be >= 1")
@@ -334,14 +335,14 @@ def variants(configs: list[str], setup: Setup, buckets: list[float], prefetches:
     """``(label, configuration, setup)`` to run; zeroc once per bucket size and prefetch."""
     runs = []
     for kind in configs:
-        if kind != SUBJECT:
+        if kind not in ZEROC_STAGES:
             runs.append((kind, kind, setup))
             continue
         for bucket_mb in buckets:
             for prefetch in prefetches:
-                label = SUBJECT
+                label = kind
                 if len(buckets) * len(prefetches) > 1:
-                    label = f"{SUBJECT} b={bucket_mb:g} p={prefetch}"
+                    label = f"{kind} b={bucket_mb:g} p={prefetch}"
                 variant = dataclasses.replace(setup, bucket_mb=bucket_mb, prefetch=prefetch)
                 runs.append((label, kind, variant))
     return runs
@@ -359,23 +360,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"GPT {config} ({n_params / 1e6:.2f}M parameters), {args.world} gloo ranks, batch "
         f"{args.batch}x{args.seq} per rank, torch {torch.__version__}, {args.steps} timed steps "
-        f"after {args.warmup} warm-up steps, zeroc bucket_mb={args.bucket_mb} "
-        f"prefetch={args.prefetch}, load average {load_before[0]:.2f}", flush=True)
+        f"after {args.warmup} warm-up steps, {args.repeats} interleaved repeats, zeroc "
+        f"bucket_mb={args.bucket_mb} prefetch={args.prefetch}, load average "
+        f"{load_before[0]:.2f}", flush=True)
     runs = variants(args.configs, setup, args.bucket_mb, args.prefetch)
     repeats: dict[str, list[Measurement]] = {label: [] for label, _, _ in runs}
     for repeat in range(args.repeats):
         for label, kind, variant in runs:
             m = measure(label, kind, variant, args.world, args.timeout)
             repeats[label].append(m)
-            print(f"  [{repeat + 1}/{args.repeats}] {label}: median {fmt(m.step_median_ms)} "
-                  f"ms, peak RSS {fmt(m.peak_rss_mb, 0)} MiB, wall {fmt(m.wall_s)} s, "
-                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+            print(f"  [{repeat + 1}/{args.repeats}] {label}: median {fmt(m.step_ms)} ms, CPU "
+                  f"{fmt(m.cpu_ms)} ms, peak RSS {fmt(m.peak_rss_mb, 0)} MiB, wall "
+                  f"{fmt(m.wall_s)} s, load {os.getloadavg()[0]:.2f}", flush=True)
             if m.plan and repeat == 0:
                 print(f"\n[{label}] plan:\n{m.plan}\n", flush=True)
             if m.profile:
                 print(f"\n[{label}] rank 0 profile (5 steps):\n{m.profile}\n", flush=True)
-    results = {name: best_of(runs) for name, runs in repeats.items()}
-    print(f"\n{report(results)}")
+    results = {label: summarize(label, kind, repeats[label]) for label, kind, _ in runs}
+    print(f"\nMedians over {args.repeats} interleaved repeats:\n{report(results)}")
     payload = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(),
@@ -384,8 +386,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": asdict(config), "parameters": n_params, "world": args.world,
         "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
         "bucket_mb": args.bucket_mb, "prefetch": args.prefetch, "repeats": args.repeats,
-        "results": {name: asdict(m) for name, m in results.items()},
-        "all_repeats": {name: [asdict(m) for m in runs] for name, runs in repeats.items()},
+        "medians": {label: asdict(s) for label, s in results.items()},
+        "all_repeats": {label: [asdict(m) for m in ms] for label, ms in repeats.items()},
     }
     if args.json:
         with open(args.json, "w") as handle:

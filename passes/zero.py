@@ -4,14 +4,18 @@ Runs on the forward and backward graphs after partitioning. Markers of one data-
 group, ZeRO stage and dtype are packed in order of use into buckets of at most
 ``config.bucket_mb`` MiB:
 
-- unshard buckets: the shards are concatenated, gathered with one ``all_gather_into_tensor``
-  and cut back into parameters. The gather is issued where bucket ``k - prefetch`` is first
-  needed (``config.prefetch``) and waited right before bucket ``k`` is first needed, so the
+- unshard buckets: the shards are gathered by one ``all_gather_into_tensor_coalesced`` (one
+  ``all_gather_into_tensor`` for a bucket of one) whose output for each shard is its
+  parameter's padded flat buffer, viewed in place as the parameter (no copy out of a packed
+  buffer). The gather is issued where bucket ``k - prefetch`` is first needed
+  (``config.prefetch``) and waited right before bucket ``k`` is first needed, so the
   transfer overlaps the compute in between; every gathered tensor dies after its last use.
 - reduce_grad buckets: the padded gradients are laid out rank-major, then one
   ``reduce_scatter_tensor`` (stages 2, 3) or ``all_reduce`` (stage 0, which ZeRO-1's whole
   gradients use too) is issued as soon as the bucket's last gradient exists, and waited
-  before its first reader. The sum is divided by the group size (mean over ranks).
+  before its first reader. The sum is divided by the group size (mean over ranks). On gloo,
+  whose reduce-scatter is an all-reduce plus a copy of the chunk, stages 2 and 3 all-reduce
+  and take this rank's chunk with the division (``zeroc::rank_chunk_mean``).
 - Mixed precision: an unshard's ``param_dtype`` is applied to the shard right before the
   gather (half the traffic in bf16); the backward's cast to ``reduce_dtype`` is already in
   the graph before ``reduce_grad``.
@@ -22,6 +26,7 @@ Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wa
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +37,12 @@ from torch._guards import detect_fake_mode
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard / reduce_grad)
 from zeroc.passes.base import PassContext, PassResult
-from zeroc.runtime.collectives import collective_bytes, functional
+from zeroc.runtime.collectives import (
+    RANK_CHUNK_MEAN,
+    collective_bytes,
+    functional,
+    reduce_scatter_runs_as_all_reduce,
+)
 from zeroc.runtime.records import CollectiveInfo
 from zeroc.runtime.zero_ops import group_size
 
@@ -192,21 +202,20 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
             shards = [s if s.meta["val"].dtype == bucket.key[2] else
                       build.call(prims.convert_element_type.default, s, bucket.key[2])
                       for s in shards]
-            flat = shards[0] if len(shards) == 1 else build.call(aten.cat.default, shards)
-            issued = build.call(functional.all_gather_into_tensor.default, flat, dp, group_name)
+            if len(shards) == 1:
+                issued = [build.call(functional.all_gather_into_tensor.default, shards[0], dp,
+                                     group_name)]
+            else:
+                # One collective, one output per shard: each output is its parameter's padded
+                # flat buffer (rank-major), so nothing is copied out of a packed buffer.
+                outputs = build.call(functional.all_gather_into_tensor_coalesced.default,
+                                     shards, dp, group_name)
+                issued = [build.call(operator.getitem, outputs, i) for i in range(len(shards))]
         with gm.graph.inserting_before(need):
-            gathered = build.call(functional.wait_tensor.default, issued)
-            total = sum(s.meta["val"].numel() for s in shards)
-            rows = build.call(aten.view.default, gathered, [dp, total])
-            offset = 0
-            for mark, shard in zip(bucket.nodes, shards, strict=True):
-                width = shard.meta["val"].numel()
-                part = rows if len(shards) == 1 else build.call(
-                    aten.slice.Tensor, rows, 1, offset, offset + width)
-                offset += width
-                flat_param = build.call(aten.reshape.default, part, [dp * width])
+            for mark, output in zip(bucket.nodes, issued, strict=True):
+                flat_param = build.call(functional.wait_tensor.default, output)
                 numel, shape = mark.args[2], list(mark.args[1])
-                if numel != dp * width:
+                if numel != flat_param.meta["val"].numel():
                     flat_param = build.call(aten.slice.Tensor, flat_param, 0, 0, numel)
                 param = build.call(aten.view.default, flat_param, shape)
                 mark.replace_all_uses_with(param)
@@ -272,6 +281,7 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
     for bucket in buckets:
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
+        by_all_reduce = stage >= 2 and reduce_scatter_runs_as_all_reduce(group_name, ctx.device)
         # Issued as soon as the bucket's last gradient exists.
         last = max(bucket.nodes, key=_order)
         if stage == 0:  # replicated: all-reduce the concatenated flat gradients
@@ -291,16 +301,17 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             packed = pieces[0] if len(pieces) == 1 else build.call(
                 aten.cat.default, pieces, 0 if stage == 0 else 1)
             packed = build.call(aten.reshape.default, packed, [-1])
-            if stage >= 2:
-                op = "reduce_scatter"
+            op = "reduce_scatter" if stage >= 2 else "all_reduce"
+            if stage >= 2 and not by_all_reduce:
                 issued = build.call(functional.reduce_scatter_tensor.default, packed, "sum", dp,
                                     group_name)
             else:
-                op = "all_reduce"
                 issued = build.call(functional.all_reduce.default, packed, "sum", group_name)
-        issued_buckets.append((bucket, pieces[0], issued, packed, widths, last, op))
+        issued_buckets.append((bucket, pieces[0], issued, packed, widths, last, op,
+                               by_all_reduce))
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for index, (bucket, _start, issued, packed, widths, last, op) in enumerate(issued_buckets):
+    for index, (bucket, _start, issued, packed, widths, last, op, by_all_reduce) in enumerate(
+            issued_buckets):
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
         # Waited before its first reader, or before the next-but-one bucket is packed.
@@ -311,7 +322,10 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
                 wait_at = later
         with gm.graph.inserting_before(wait_at):
             reduced = build.call(functional.wait_tensor.default, issued)
-            mean = build.call(aten.div.Tensor, reduced, dp)
+            if by_all_reduce:  # the whole sum is here: this rank's chunk of it, averaged
+                mean = build.call(RANK_CHUNK_MEAN, reduced, dp, group_name)
+            else:
+                mean = build.call(aten.div.Tensor, reduced, dp)
             offset = 0
             for mark, width in zip(bucket.nodes, widths, strict=True):
                 part = mean if len(widths) == 1 else build.call(

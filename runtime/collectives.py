@@ -8,10 +8,10 @@ Bytes moved per rank follow the ZeRO paper's accounting: an all-gather or a redu
 a buffer of Ψ bytes moves Ψ, an all-reduce moves 2Ψ.
 
 Gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones its input, all-reduces
-the clone and, when waited, copies this rank's chunk out. A graph that owns the buffer it
-reduces does better with an in-place all-reduce of that buffer and ``zeroc::rank_chunk_mean``
-(``reduce_scatter_runs_as_all_reduce`` says when): the same bytes on the wire, without the
-clone and the copy. Such a reduction is still recorded as the reduce-scatter it stands for.
+the clone and, when waited, copies this rank's chunk into a new tensor, which the graph then
+divides by the group size. ``all_reduce`` followed by ``zeroc::rank_chunk_mean`` (the chunk,
+divided) computes the same values with one copy less (``reduce_scatter_runs_as_all_reduce``
+says when a group does this). Such a reduction is recorded as the reduce-scatter it stands for.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ ISSUE_OPS = {
     functional.all_gather_into_tensor_coalesced.default: "all_gather",
     functional.reduce_scatter_tensor.default: "reduce_scatter",
     functional.all_reduce.default: "all_reduce",
-    functional.all_reduce_.default: "all_reduce",
 }
 WAIT_OP = functional.wait_tensor.default
 
@@ -53,7 +52,8 @@ def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device) -> 
         backend = group._get_backend(torch.device(device))
     except (RuntimeError, ValueError):
         return False
-    return isinstance(backend, dist.ProcessGroupGloo)
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    return gloo is not None and isinstance(backend, gloo)
 
 
 _LIB = torch.library.Library("zeroc", "FRAGMENT")
