@@ -31,9 +31,13 @@ from zeroc.runtime.executor import GraphExecutor
 from zeroc.runtime.records import ParamInfo
 from zeroc.session import CompiledGraph, CompileSession
 
+SOURCE_NAME_META = "zeroc_source_name"
+
 
 def source_name(placeholder: torch.fx.Node) -> str:
     """A readable name for a Dynamo placeholder: ``layers.0.attn.weight`` or ``x``."""
+    if SOURCE_NAME_META in placeholder.meta:  # kept when Dynamo's grapharg is gone
+        return placeholder.meta[SOURCE_NAME_META]
     grapharg = placeholder.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
     if source is None:

@@ -67,6 +67,7 @@ from zeroc.sharded_params import (
     install,
     set_requires_gradient_sync,
 )
+from zeroc.trace_settings import ignore_model_logging, mark_batch_dynamic
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
 
@@ -210,6 +211,9 @@ def parallelize(
     finish_modules(model, modules, state)
     if zero == 1:
         ensure_step_hook()
+    if mesh_.pp > 1:
+        ignore_model_logging()
+        model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)
     if policy is not None and policy.output_dtype is not None:

@@ -32,16 +32,17 @@ from torch import nn
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from zeroc.capture import parameter_infos, run_dynamo_passes, source_name
+from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.loss_normalization import normalize_loss
+from zeroc.passes.loss_output import LossOutput, keep_loss_output
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
 from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
 from zeroc.passes.schedule import build_schedule
-from zeroc.passes.specialize_shapes import size_inputs, specialize
+from zeroc.passes.specialize_shapes import microbatch_inputs, size_inputs, specialize
 from zeroc.passes.split_stages import StageSplit, split_stages
 from zeroc.passes.split_weight_grad import split_weight_grad
 from zeroc.runtime.actions import ActionKind, Schedule
@@ -77,11 +78,35 @@ def default_microbatches(schedule: str, pp: int) -> int:
     return max(stages, 2 * pp) if schedule in ("dualpipe", "dualpipev") else stages
 
 
+USER_INPUT_META = "zeroc_user_input"
+
+
 def _is_user_input(node: torch.fx.Node) -> bool:
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    text = source.name() if callable(getattr(source, "name", None)) else str(source)
-    return "self" not in text and "_modules" not in text and "_buffers" not in text
+    """Whether a placeholder is a tensor the caller passed (not a module's buffer or
+    attribute): its Dynamo source is a local of the forward other than ``self``, reached
+    without passing through a module. Read from Dynamo's ``grapharg``, or from what
+    ``remember_sources`` kept of it (Dynamo drops ``grapharg`` once the backend returns)."""
+    if USER_INPUT_META in node.meta:
+        return node.meta[USER_INPUT_META]
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return False
+    text = source.name() if callable(source.name) else str(source.name)
+    while getattr(source, "base", None) is not None:
+        if "Module" in type(source).__name__ or "ParamBuffer" in type(source).__name__:
+            return False
+        source = source.base
+    name = getattr(source, "local_name", None)
+    return name is not None and name != "self" and not text.startswith("G[") and all(
+        part not in text for part in ("._modules[", "._buffers[", "._parameters["))
+
+
+def remember_sources(gm: torch.fx.GraphModule) -> None:
+    """Keep what later compiles need of each placeholder's Dynamo source in its meta."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[USER_INPUT_META] = _is_user_input(node)
+            node.meta[SOURCE_NAME_META] = source_name(node)
 
 
 def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
@@ -100,30 +125,31 @@ def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
     return batch, next(iter(sizes.values()))
 
 
-def _check_one_graph(layout: ZeroLayout, params: set[int]) -> None:
-    if len(params) < len(layout.params):
-        raise ValueError(
-            f"zeroc pipeline: this graph uses {len(params)} of the model's "
-            f"{len(layout.params)} parameters; with pp={layout.pp} the whole forward must be "
-            "one graph: remove the graph breaks (torch._dynamo.explain shows them) or unused "
-            "parameters"
-        )
+def _where(node: torch.fx.Node | None) -> str:
+    """``file:line (code)`` of the user's source line that traced ``node``."""
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    frames = [line.strip() for line in trace.strip().splitlines()]
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) else ""
+            place = frames[i].removeprefix("File ").replace('"', "")
+            return f"{place}: {code}" if code else place
+    return "an unknown line"
 
 
-def _check_loss(gm: torch.fx.GraphModule, inputs: list[Any]) -> None:
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    values = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a
-              for a in torch.utils._pytree.tree_flatten(output.args[0])[0]]
-    ok = (len(values) == 1 and isinstance(values[0], torch.Tensor) and values[0].dim() == 0
-          and values[0].is_floating_point())
-    if not ok:
-        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                  for v in values]
-        raise ValueError(
-            f"zeroc pipeline: with pp > 1 the compiled call runs the whole training step, so "
-            f"the model must return one scalar loss (e.g. F.cross_entropy(logits, targets)); "
-            f"it returned {shapes}. Pass the targets to forward and return the mean loss"
-        )
+def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int]) -> None:
+    if len(params) >= len(layout.params):
+        return
+    ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    raise ValueError(
+        f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
+        f"parameters; with pp={layout.pp} the whole forward must be one graph. Dynamo split "
+        f"it: this graph runs from {_where(ops[0] if ops else None)} to "
+        f"{_where(ops[-1] if ops else None)}, and the break is right before or after that. "
+        "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
+        "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
+        "parameters"
+    )
 
 
 @dataclasses.dataclass
@@ -156,9 +182,10 @@ def compile_pipeline(
 
 
 def _checked_compile(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
-                     session: CompileSession, layout: ZeroLayout) -> Callable[..., Any]:
+                     session: CompileSession, layout: ZeroLayout,
+                     dynamic_gm: torch.fx.GraphModule | None = None) -> Callable[..., Any]:
     try:
-        return _compile_pipeline(gm, example_inputs, config, session, layout)
+        return _compile_pipeline(gm, example_inputs, config, session, layout, dynamic_gm)
     except ValueError as error:
         if isinstance(error, PipelineError):
             raise
@@ -171,6 +198,7 @@ class _PerSizePipelines:
     def __init__(self, gm: torch.fx.GraphModule, config: Config, session: CompileSession,
                  layout: ZeroLayout) -> None:
         self.gm, self.config, self.session, self.layout = gm, config, session, layout
+        remember_sources(gm)  # the first compile happens on the first call
         self.compiled: dict[tuple[int, ...], Callable[..., Any]] = {}
 
     def __call__(self, *args: Any) -> Any:
@@ -179,7 +207,7 @@ class _PerSizePipelines:
         if step is None:
             step = self.compiled[key] = _checked_compile(
                 specialize(self.gm, list(args)), list(args), self.config, self.session,
-                self.layout)
+                self.layout, dynamic_gm=self.gm)
         return step(*args)
 
 
@@ -189,10 +217,14 @@ def _compile_pipeline(
     config: Config,
     session: CompileSession,
     layout: ZeroLayout,
+    dynamic_gm: torch.fx.GraphModule | None = None,
 ) -> Callable[..., Any]:
+    """``gm``: the graph at the call's sizes. ``dynamic_gm``: the same graph with a symbolic
+    batch dimension, if Dynamo gave one: the stages are then traced from it at the
+    micro-batch size; otherwise ``gm``'s batch-size constants are rewritten."""
     params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
-    _check_one_graph(layout, params)
-    _check_loss(gm, example_inputs)
+    _check_one_graph(gm, layout, params)
+    loss_output = keep_loss_output(gm, params)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
@@ -212,12 +244,25 @@ def _compile_pipeline(
                            dynamo_code=graph_text(gm))
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
+    microbatch = batch // microbatches
+    micro_inputs = None if dynamic_gm is None else microbatch_inputs(
+        dynamic_gm, example_inputs, batch_inputs, microbatch)
     # Stage graphs are always traced for training (a no_grad call runs their forwards only).
-    gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
+    full = run_dynamo_passes(gm, config, record if micro_inputs is None else
+                             CompiledGraph(prefix=prefix, params=(), dynamo_code=""), device,
+                             need_grad=True)
     # The loss becomes a sum per micro-batch; the step divides once by the whole batch's
     # denominator (computed from the full-batch inputs).
-    normalization = normalize_loss(gm, params, config.loss_reduction)
-    mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, batch // microbatches)
+    normalization = normalize_loss(full, params, config.loss_reduction)
+    if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
+        gm = full
+        mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, microbatch)
+    else:  # traced at the micro-batch size: nothing to rewrite
+        gm = specialize(dynamic_gm, micro_inputs)
+        keep_loss_output(gm, params)
+        gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
+        normalize_loss(gm, params, config.loss_reduction)
+        mgraph = microbatch_graph(gm, example_inputs, batch_inputs, microbatch, microbatch)
     split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     position = layout.mesh.pp_index
     session.add(record)
@@ -273,7 +318,7 @@ def _compile_pipeline(
         stage_param_bytes={s.index: sum(layout_bytes[i] for i in s.param_inputs)
                            for s in split.stages})
     grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad))
-    return PipelinedStep(executor, grad_inputs)
+    return PipelinedStep(executor, grad_inputs, loss_output)
 
 
 def _forward_only(schedule: Schedule) -> Schedule:
@@ -396,14 +441,18 @@ class _TrainStep(torch.autograd.Function):
 class PipelinedStep:
     """The callable Dynamo runs in place of the graph: one pipelined step per call."""
 
-    def __init__(self, executor: PipelineExecutor, grad_inputs: tuple[int, ...]) -> None:
+    def __init__(self, executor: PipelineExecutor, grad_inputs: tuple[int, ...],
+                 loss_output: LossOutput) -> None:
         self.executor = executor
         self.grad_inputs = grad_inputs
+        self.loss_output = loss_output
 
-    def __call__(self, *args: Any) -> tuple[torch.Tensor]:
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
         inputs = list(args)
         if torch.is_grad_enabled() and self.grad_inputs:
             params = [inputs[i] for i in self.grad_inputs]
-            return (_TrainStep.apply(self.executor, inputs, self.grad_inputs, *params),)
-        loss, _ = self.executor.run(inputs, train=False)
-        return (loss,)
+            loss = _TrainStep.apply(self.executor, inputs, self.grad_inputs, *params)
+        else:
+            loss, _ = self.executor.run(inputs, train=False)
+        # The model's other outputs (logits, caches) are meta tensors: see passes/loss_output.
+        return self.loss_output.outputs(loss)

@@ -7,6 +7,12 @@ it compiles one static program per distinct set of sizes: this pass copies the g
 the call's ints in place of every use of the size placeholders (the placeholders stay, unused,
 so input positions do not move) and recomputes every node's ``example_value`` on fake tensors
 of the call's real inputs.
+
+A graph whose batch dimension is symbolic can also be specialized at the *micro-batch* size
+(``microbatch_inputs``): every value built from the batch size, an attention mask expanded
+to it or a position index broadcast over it, then has the micro-batch's size, exactly as if
+the model had been called with one micro-batch. ``zeroc.parallelize(model, pp=...)`` asks
+Dynamo for such a graph by marking dimension 0 of the inputs dynamic before the first trace.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["size_inputs", "specialize"]
+__all__ = ["microbatch_inputs", "size_inputs", "specialize"]
 
 
 def size_inputs(example_inputs: list[Any]) -> tuple[int, ...]:
@@ -65,3 +71,46 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphMod
             node.meta["example_value"] = values[node.name]
     out.recompile()
     return out
+
+
+def _batch_symbols(placeholders: list[torch.fx.Node], batch_inputs: set[int]) -> set[Any]:
+    """The symbols of dimension 0 of the batch inputs, in a dynamic graph's example values."""
+    symbols = set()
+    for index in sorted(batch_inputs):
+        value = placeholders[index].meta.get("example_value")
+        size = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else None
+        if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+            symbols.add(size.node.expr)
+    return symbols
+
+
+def microbatch_inputs(gm: torch.fx.GraphModule, inputs: list[Any], batch_inputs: set[int],
+                      microbatch: int) -> list[Any] | None:
+    """The graph inputs of one micro-batch of the call ``inputs``, for ``specialize``.
+
+    Batch inputs are cut to their first ``microbatch`` rows and the size inputs that stand
+    for the batch dimension become ``microbatch``; other sizes keep the call's values. None
+    when the graph's batch dimension is not symbolic. Raises ``ValueError`` when the batch's
+    symbol also sizes another dimension (Dynamo gives equal dynamic sizes one symbol).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    symbols = _batch_symbols(placeholders, batch_inputs)
+    if not symbols:
+        return None
+    for index in sorted(batch_inputs):
+        value = placeholders[index].meta.get("example_value")
+        for dim, size in enumerate(value.shape[1:], start=1):
+            if isinstance(size, torch.SymInt) and size.node.expr.free_symbols & symbols:
+                raise ValueError(
+                    f"zeroc pipeline: input {placeholders[index].name} has the batch size "
+                    f"in dimension {dim} too ({tuple(value.shape)}), so its micro-batches "
+                    "cannot be told apart from it; pass a batch whose size differs from the "
+                    "other dynamic sizes")
+    micro = list(inputs)
+    for index in sorted(batch_inputs):
+        micro[index] = inputs[index][:microbatch]
+    for index in size_inputs(inputs):
+        value = placeholders[index].meta.get("example_value")
+        if isinstance(value, torch.SymInt) and value.node.expr in symbols:
+            micro[index] = microbatch
+    return micro

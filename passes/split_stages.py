@@ -28,11 +28,13 @@ stages need..., model outputs...)``, the model outputs only on the last stage.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from zeroc.passes.microbatch_shapes import MicrobatchGraph
@@ -239,6 +241,45 @@ def split_stages(
                       unit_costs=tuple(unit_costs))
 
 
+def _mutators(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """Nodes that write into their first argument in place, by the name of that argument:
+    ``x[i] = v`` (``operator.setitem``) and in-place methods (``x.masked_fill_(...)``)."""
+    writers: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        in_place = target is operator.setitem or (
+            node.op == "call_method" and isinstance(target, str) and target.endswith("_")
+            and not target.endswith("__"))
+        if in_place and node.args and isinstance(node.args[0], torch.fx.Node):
+            writers.setdefault(node.args[0].name, []).append(node)
+    return writers
+
+
+def _storage(value: Any) -> Any:
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def _unaliased(graph: torch.fx.Graph, copied: torch.fx.Node, values: dict[str, Any],
+               node: torch.fx.Node, inputs: list[torch.fx.Node],
+               earlier: list[torch.fx.Node]) -> torch.fx.Node:
+    """``copied``, or a clone of it when the output is a view or shares memory with a stage
+    input or an earlier output (a mask passed on as a view of an input, hidden states
+    reshaped): AOTAutograd's joint export takes no aliased outputs, and a message must own
+    its memory while it is in flight."""
+    value = values.get(node.name)
+    mine = _storage(value)
+    others = [_storage(values.get(n.name)) for n in (*inputs, *earlier)]
+    is_view = isinstance(value, torch.Tensor) and value._is_view()
+    if mine is None or (mine not in others and not is_view):
+        return copied
+    clone = graph.call_function(torch.clone, (copied,))
+    clone.meta = dict(copied.meta)
+    return clone
+
+
 def _stage_graph(
     mgraph: MicrobatchGraph,
     k: int,
@@ -254,6 +295,7 @@ def _stage_graph(
     needed: set[str] = set()
     received: list[torch.fx.Node] = []
     work = list(own)
+    mutators = _mutators(gm)
     while work:
         node = work.pop()
         for arg in node.all_input_nodes:
@@ -266,6 +308,12 @@ def _stage_graph(
             needed.add(arg.name)
             if arg.op != "placeholder" and arg.name not in stage:
                 work.append(arg)
+                # A value recomputed here is recomputed with the writes into it, which
+                # nothing reads (``shifted[..., 1:] = labels[..., :-1]``).
+                for writer in mutators.get(arg.name, ()):
+                    if writer.name not in needed and writer.name not in stage:
+                        needed.add(writer.name)
+                        work.append(writer)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     received.sort(key=lambda n: order[n.name])
     inputs = sorted(index_of[name] for name in needed if name in index_of)
@@ -292,9 +340,11 @@ def _stage_graph(
             if node.name in mgraph.batch_dependent:
                 activation += _nbytes(mgraph.values.get(node.name))
     by_name = {n.name: n for n in gm.graph.nodes}
-    graph.output(tuple(env[by_name[key]] for key in out_keys) + tuple(env[r] for r in results))
-    stage_gm = torch.fx.GraphModule(gm, graph)
     outputs = [by_name[key] for key in out_keys] + list(results)
+    stage_inputs = [placeholders[i] for i in (*params, *locals_)] + received
+    graph.output(tuple(_unaliased(graph, env[n], mgraph.values, n, stage_inputs, outputs[:j])
+                       for j, n in enumerate(outputs)))
+    stage_gm = torch.fx.GraphModule(gm, graph)
     requires_grad = tuple(bool(getattr(mgraph.values.get(n.name), "requires_grad", False))
                           for n in outputs)
     return StageSpec(

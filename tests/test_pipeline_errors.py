@@ -84,8 +84,8 @@ def messages() -> dict[str, str]:
         ("fewer_layers_dualpipev", "has 3 layers .* but 4 pipeline stages"),
         ("microbatches", "microbatches=3 does not divide the batch of 8"),
         ("dualpipe_microbatches", "dualpipe needs an even num_microbatches"),
-        ("not_a_loss", "must return one scalar loss .* returned \\[\\(8, 16, 64\\)\\]"),
-        ("graph_break", "the whole forward must be one graph"),
+        ("not_a_loss", "must return one scalar loss .* outputs are \\[\\(8, 16, 64\\) float32\\]"),
+        ("graph_break", "the whole forward must be one graph.*this graph runs from .*py"),
     ],
 )
 def test_pipeline_input_errors(messages: dict[str, str], case: str, expected: str) -> None:

@@ -1,0 +1,115 @@
+"""Find the loss among a pipelined model's outputs and drop the others from the graph.
+
+With ``pp > 1`` a compiled call runs the whole training step and returns the loss of the
+whole batch. Models often return more than the loss: a Hugging Face model called with
+``labels=`` returns a ``ModelOutput`` holding the loss, the logits and a key/value cache, and
+Dynamo hands the backend a graph whose outputs are all of those tensors. No rank of a pipeline
+holds the whole batch's logits (the last stage sees one micro-batch at a time), so the
+pipeline computes the loss alone.
+
+``keep_loss_output(gm)`` picks the loss: the one floating 0-d output that depends on a
+parameter. It rewrites the graph to return that output alone, so nothing else is kept for
+the call, and records every other output's shape and dtype: the compiled call returns them as
+tensors on the ``meta`` device (no data; using one where data is needed raises), so Dynamo
+can rebuild the model's output structure and ``output.loss`` reads the real loss. No
+candidate, or several, is refused with an error that lists the outputs found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LossOutput", "keep_loss_output"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+    """Where the loss sits among the graph's original outputs and what the others were.
+
+    ``others[i]`` is ``(shape, dtype)`` of output ``i`` (``None`` at ``index``, and for a
+    non-tensor output, which is returned as it was traced)."""
+
+    index: int
+    count: int
+    others: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
+    constants: tuple[Any, ...]
+
+    def outputs(self, loss: torch.Tensor) -> tuple[Any, ...]:
+        """The call's outputs: ``loss`` at its place, meta tensors (or constants) elsewhere."""
+        result: list[Any] = []
+        for i, spec in enumerate(self.others):
+            if i == self.index:
+                result.append(loss)
+            elif spec is None:
+                result.append(self.constants[i])
+            else:
+                result.append(torch.empty(spec[0], dtype=spec[1], device="meta"))
+        return tuple(result)
+
+
+def _value(arg: Any) -> Any:
+    return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _reads_parameter(node: torch.fx.Node, params: set[str]) -> bool:
+    seen, work = set(), [node]
+    while work:
+        current = work.pop()
+        if current.name in seen:
+            continue
+        seen.add(current.name)
+        if current.op == "placeholder" and current.name in params:
+            return True
+        work.extend(current.all_input_nodes)
+    return False
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def keep_loss_output(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
+    """Rewrite ``gm`` (in place) to return only its loss; ``params``: parameter positions."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    param_names = {placeholders[i].name for i in params if i < len(placeholders)}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat, _ = tree_flatten(output.args[0])
+    values = [_value(a) for a in flat]
+    candidates = [
+        i for i, (arg, value) in enumerate(zip(flat, values, strict=True))
+        if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor)
+        and value.dim() == 0 and value.is_floating_point() and _reads_parameter(arg, param_names)
+    ]
+    if len(candidates) != 1:
+        found = ", ".join(_describe(v) for v in values) or "nothing"
+        reason = ("no floating scalar that depends on the parameters" if not candidates else
+                  f"{len(candidates)} floating scalars that depend on the parameters "
+                  f"(outputs {candidates})")
+        raise ValueError(
+            "zeroc pipeline: with pp > 1 the compiled call runs the whole training step and "
+            "returns the loss, so the model must return one scalar loss (a tensor, or a "
+            f"Hugging Face output with .loss: pass labels=); its outputs are [{found}]: "
+            f"{reason}. Return the loss (e.g. F.cross_entropy(logits, targets)) alone, or "
+            "sum several losses into one"
+        )
+    index = candidates[0]
+    others = tuple(None if i == index or not isinstance(v, torch.Tensor) else
+                   (tuple(int(s) for s in v.shape), v.dtype) for i, v in enumerate(values))
+    constants = tuple(None if isinstance(v, torch.Tensor) or isinstance(a, torch.fx.Node)
+                      else v for a, v in zip(flat, values, strict=True))
+    if any(isinstance(a, torch.fx.Node) and not isinstance(v, torch.Tensor) and i != index
+           for i, (a, v) in enumerate(zip(flat, values, strict=True))):
+        raise ValueError("zeroc pipeline: the model returns a value computed in the graph "
+                         "that is not a tensor; with pp > 1 return the loss alone")
+    # Nodes only the dropped outputs read stay: the stage graphs are traced functionally from
+    # the loss, so AOTAutograd leaves them out, and a side effect among them is kept.
+    output.args = ((flat[index],),)
+    gm.recompile()
+    return LossOutput(index=index, count=len(flat), others=others, constants=constants)

@@ -1,0 +1,140 @@
+"""Hugging Face models pipelined: ten architectures at pp=2, GPT2 and Llama trained at pp=2
+and pp=4 with 1F1B and DualPipeV, wrapped in a user's module or called with ``labels=``.
+
+Each model is built from a small config (``tests/models/hf.py``) on every rank under the
+same seed, parallelized with ``pp`` pipeline ranks and compiled; the pipelined loss and every
+gradient (each rank holds its stages' gradients) must equal single-process eager on the same
+batch, and three AdamW steps must give eager's losses and parameters. Nothing in the models
+is changed for the pipeline: the blocks are found at ``transformer.h.N`` / ``model.layers.N``,
+the micro-batch graphs are traced at the micro-batch size, and transformers' logging inside
+the forward does not split the graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+from models.hf import ARCHITECTURES, UserWrapper, build, token_batch  # noqa: E402
+
+import zeroc  # noqa: E402
+
+STEPS = 3
+TRAIN_BATCH = 16  # 8 micro-batches of 2 for DualPipeV at pp=4
+
+
+def _model(name: str, layers: int, direct: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build(name, layers)
+    return model if direct else UserWrapper(model)
+
+
+def _loss(model, direct: bool, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=labels).loss if direct else model(ids, labels)
+
+
+def _pipelined(name: str, layers: int, direct: bool, pp: int, schedule: str):
+    torch._dynamo.reset()
+    model = zeroc.parallelize(_model(name, layers, direct), zero=0, pp=pp)
+    # DualPipeV runs 2 * pp stages and needs at least as many micro-batches.
+    microbatches = max(4, 2 * pp) if schedule == "dualpipev" else 4
+    compiled = torch.compile(model, backend="zeroc",
+                             options={"schedule": schedule, "microbatches": microbatches})
+    return model, compiled
+
+
+def gradients_job(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    out = {}
+    for name in names:
+        model, compiled = _pipelined(name, 4, False, world, "1f1b")
+        loss = _loss(compiled, False, *token_batch())
+        loss.backward()
+        out[name] = {"loss": loss.item(), "grads": {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+    return out
+
+
+def training_job(rank: int, world: int, cases: tuple) -> dict:
+    out = {}
+    for name, direct, schedule in cases:
+        model, compiled = _pipelined(name, 8, direct, world, schedule)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for step in range(STEPS):
+            loss = _loss(compiled, direct, *token_batch(TRAIN_BATCH, seed=step))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        out[(name, direct, schedule)] = {
+            "losses": losses, "params": {n: p.detach().clone()
+                                         for n, p in model.named_parameters()}}
+    return out
+
+
+def _eager_gradients(name: str) -> tuple[float, dict]:
+    model = _model(name, 4, False)
+    loss = _loss(model, False, *token_batch())
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _eager_training(name: str, direct: bool) -> tuple[list[float], dict]:
+    model = _model(name, 8, direct)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, direct, *token_batch(TRAIN_BATCH, seed=step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ten_architectures_pipeline_at_pp2_equal_eager() -> None:
+    ranks = run_ranks(gradients_job, 2, ARCHITECTURES, timeout=800)
+    for name in ARCHITECTURES:
+        loss, grads = _eager_gradients(name)
+        assert ranks[0][name]["loss"] == pytest.approx(loss, rel=1e-5), name
+        assert ranks[1][name]["loss"] == ranks[0][name]["loss"], name
+        held = {**ranks[0][name]["grads"], **ranks[1][name]["grads"]}
+        assert set(held) == set(grads), (name, set(grads) ^ set(held))
+        for param, grad in grads.items():
+            torch.testing.assert_close(held[param], grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, p=param, n=name: f"{n} {p}: {m}")
+
+
+def _check_training(ranks: list[dict], cases: tuple) -> None:
+    for case in cases:
+        name, direct, _ = case
+        losses, params = _eager_training(name, direct)
+        for rank in ranks:
+            assert rank[case]["losses"] == pytest.approx(losses, rel=1e-5), case
+        # A rank trains its own stages; every stage is some rank's.
+        for param_name, param in params.items():
+            closest = min((held - param.detach()).abs().max().item() for rank in ranks
+                          if (held := rank[case]["params"].get(param_name)) is not None
+                          and held.numel())
+            assert closest < 1e-5, (case, param_name, closest)
+
+
+CASES = tuple((name, direct, schedule) for name in ("gpt2", "llama") for direct in (False, True)
+              for schedule in ("1f1b", "dualpipev"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gpt2_and_llama_train_at_pp2_equal_eager() -> None:
+    _check_training(run_ranks(training_job, 2, CASES, timeout=800), CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gpt2_and_llama_train_at_pp4_equal_eager() -> None:
+    _check_training(run_ranks(training_job, 4, CASES, timeout=1100), CASES)
