@@ -52,6 +52,11 @@ class Config:
         from the graph (sum, mean, mean over non-ignored targets; anything else is refused);
         ``"sum"``: the loss is a sum over samples; ``"mean"``: average the micro-batches'
         losses (exact only for equal-sized means).
+    pp_reshard: with pp > 1 and ZeRO, ``False`` (default) gathers each stage's parameters
+        once per step, before its first micro-batch, and reduces its gradients once, after
+        its last backward (the full parameters and gradients of this rank's stages live for
+        the step); ``True`` gathers and reduces inside every micro-batch's graphs (less
+        memory, ``microbatches`` times the traffic).
     """
 
     mode: str = "default"
@@ -68,6 +73,7 @@ class Config:
     microbatches: int | None = None
     split_points: tuple[str, ...] | None = None
     loss_reduction: str | None = None
+    pp_reshard: bool = False
 
     @staticmethod
     def build(mode: str | None = None, options: Mapping[str, Any] | None = None) -> Config:
@@ -114,7 +120,7 @@ def _check(key: str, value: Any) -> Any:
                 f"zeroc: option {key}={value!r} is not allowed; allowed: {list(choices[key])}"
             )
         return value
-    if key in ("fusion", "fused_loss", "kernel_autotune", "record_graphs"):
+    if key in ("fusion", "fused_loss", "kernel_autotune", "record_graphs", "pp_reshard"):
         if not isinstance(value, bool):
             raise OptionError(f"zeroc: option {key}={value!r} must be True or False")
         return value

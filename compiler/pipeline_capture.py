@@ -36,6 +36,7 @@ from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, 
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
+from zeroc.passes.hoist_unshard import full_size_inputs, hoist_unshards
 from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.loss_output import LossOutput, keep_loss_output
 from zeroc.passes.microbatch_shapes import microbatch_graph
@@ -254,19 +255,21 @@ def _compile_pipeline(
     # The loss becomes a sum per micro-batch; the step divides once by the whole batch's
     # denominator (computed from the full-batch inputs).
     normalization = normalize_loss(full, params, config.loss_reduction)
+    names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
     if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
-        gm = full
-        mgraph = microbatch_graph(gm, example_inputs, batch_inputs, batch, microbatch)
+        gm, size = full, batch
     else:  # traced at the micro-batch size: nothing to rewrite
-        gm = specialize(dynamic_gm, micro_inputs)
+        gm, size = specialize(dynamic_gm, micro_inputs), microbatch
         keep_loss_output(gm, params)
         gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
         normalize_loss(gm, params, config.loss_reduction)
-        mgraph = microbatch_graph(gm, example_inputs, batch_inputs, microbatch, microbatch)
+    # ZeRO once per step: the stage graphs read and differentiate full parameters.
+    hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
+    real_inputs, example_inputs = example_inputs, full_size_inputs(example_inputs, hoisted)
+    mgraph = microbatch_graph(gm, example_inputs, batch_inputs, size, microbatch)
     split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     position = layout.mesh.pp_index
     session.add(record)
-    names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
     mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
     record.device = str(device)
     record.zero = layout.zero
@@ -282,6 +285,7 @@ def _compile_pipeline(
     for spec in split.stages:
         for index in spec.param_inputs:
             holders.setdefault(index, set()).update(schedule.placement[spec.index])
+    example_inputs = real_inputs  # the stage graphs are traced; the rest reads the real ones
     for index, positions in holders.items():
         setattr(example_inputs[index], PP_SOURCE_ATTR, min(positions))
     executor = PipelineExecutor(
@@ -298,9 +302,14 @@ def _compile_pipeline(
             group_name=layout.mesh.pp_group_name,
             loss_kind=normalization.kind,
             loss_denominator=normalization.denominator,
+            hoisted={i: h for i, h in hoisted.items()
+                     if any(i in programs[st].param_inputs for st in programs)},
+            bucket_mb=config.bucket_mb,
         ),
         programs,
     )
+    if executor.zero is not None:  # ZeRO once per step: the plan lists the step's buckets
+        record.collectives.extend(executor.zero.collectives(example_inputs, f"{prefix}.step"))
     # Full (unsharded) sizes: a ZeRO shard's numel is its share, not the parameter's.
     records = getattr(layout, "params", ())
     full_numel = {r.param_name: r.numel for r in records}

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from zeroc.runtime.actions import Action, ActionKind, Schedule
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.p2p import Transfer, exchange_and_sum, run_transfers
+from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
 
 ValueMeta = tuple[tuple[int, ...], torch.dtype, bool]
 # Set on every parameter of a compiled pipeline: the first pipeline position that updates it.
@@ -81,6 +82,10 @@ class PipelineLayout:
     # graph of the full-batch inputs (None: 1). "micro_mean" averages the micro-batches.
     loss_kind: str = "micro_mean"
     loss_denominator: Any = None
+    # ZeRO once per step (runtime/pipeline_zero.py): this rank's parameters whose gather was
+    # taken out of the stage graphs, and the bucket size of the per-step collectives.
+    hoisted: dict[int, HoistedParam] = dataclasses.field(default_factory=dict)
+    bucket_mb: float = 25.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +121,8 @@ class PipelineExecutor:
         self.last_stage = layout.schedule.num_stages - 1
         self.timings: StepTimings | None = None
         self.steps = 0
+        self.zero = StepZero(layout.hoisted, {s: p.param_inputs for s, p in stages.items()},
+                             layout.bucket_mb) if layout.hoisted else None
         self.groups = {
             train: [action_groups(rank_actions) for rank_actions in schedule.actions]
             for train, schedule in ((True, layout.schedule), (False, layout.forward_schedule))
@@ -135,6 +142,8 @@ class PipelineExecutor:
         self._grads: dict[int, torch.Tensor] = {}
         self._loss = torch.zeros((), dtype=torch.float64)
         self._scale = self._normaliser(inputs)
+        if self.zero is not None:
+            self.zero.begin()
         my_groups = self.groups[train][self.layout.position]
         spans = []
         with torch.no_grad():
@@ -147,6 +156,10 @@ class PipelineExecutor:
                 spans.append((start, time.time()))
             loss = self._finish(spans, train)
             grads = self._grads
+            if train and self.zero is not None:  # once per step, after the last backward
+                self.zero.reduce(grads, inputs)
+            if self.zero is not None:
+                self.zero.end()
             if train:
                 for stage in self.stages.values():
                     for index in stage.param_inputs:
@@ -252,7 +265,12 @@ class PipelineExecutor:
         program = self.stages[stage]
         received = self._inbox_f.pop((stage, microbatch), {})
         self._received = received
-        return ([self._inputs[i] for i in program.param_inputs]
+        if self.zero is not None:  # the first micro-batch of the stage gathers (UNSHARD)
+            self.zero.gather(stage, self._inputs)
+            params = [self.zero.parameter(i, self._inputs) for i in program.param_inputs]
+        else:
+            params = [self._inputs[i] for i in program.param_inputs]
+        return (params
                 + [self._local(i, microbatch) for i in program.local_inputs]
                 + [received[k] for k in program.in_keys])
 

@@ -1,0 +1,85 @@
+"""Take each parameter's ``zeroc::unshard`` out of a pipeline's graph: gathered once per step.
+
+In a ZeRO model's Dynamo graph every read of a parameter is ``zeroc::unshard(shard, ...)``,
+which the ZeRO lowering turns into an all-gather in the forward and a reduction of the
+gradient in the backward. A pipeline runs each stage graph once per micro-batch, so those
+collectives would run N times per step. With ``pp_reshard=False`` this pass removes the
+unshard nodes whose input is a parameter placeholder: every use reads the placeholder
+instead, which from now on stands for the *full* parameter (in ``param_dtype``), and whose
+gradient the stage graphs return whole. The executor gathers and reduces once per step
+(``runtime/pipeline_zero.py``) with what is returned here: a ``HoistedParam`` per parameter
+input. An unshard of anything else (a detached buffer under ``no_sync``) stays in the graph.
+
+``full_size_inputs`` gives the example inputs the stage graphs are traced with: hoisted
+parameters become full-size parameters (``torch.empty``: their pages are never touched).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard)
+from zeroc.runtime.pipeline_zero import HoistedParam
+
+__all__ = ["full_size_inputs", "hoist_unshards"]
+
+UNSHARD = torch.ops.zeroc.unshard
+_ARGS = ("shard", "shape", "numel", "group_name", "zero_stage", "param_dtype", "reduce_dtype",
+         "pending")
+
+
+def _arguments(node: torch.fx.Node) -> dict[str, Any]:
+    values = dict(zip(_ARGS, node.args, strict=False))
+    values.update(node.kwargs)
+    for name in _ARGS[5:]:
+        values.setdefault(name, None)
+    return values
+
+
+def hoist_unshards(gm: torch.fx.GraphModule, params: set[int],
+                   names: list[str]) -> dict[int, HoistedParam]:
+    """Remove the unshards of parameter placeholders from ``gm`` (in place); see above."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index_of = {n.name: i for i, n in enumerate(placeholders)}
+    hoisted: dict[int, HoistedParam] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (UNSHARD, UNSHARD.default):
+            continue
+        args = _arguments(node)
+        shard = args["shard"]
+        index = index_of.get(shard.name) if isinstance(shard, torch.fx.Node) else None
+        if index is None or index not in params:
+            continue
+        pending = args["pending"]
+        spec = HoistedParam(
+            index=index, name=names[index], shape=tuple(int(s) for s in args["shape"]),
+            numel=int(args["numel"]), group_name=args["group_name"],
+            zero_stage=int(args["zero_stage"]), param_dtype=args["param_dtype"],
+            reduce_dtype=args["reduce_dtype"],
+            pending=index_of.get(pending.name) if isinstance(pending, torch.fx.Node) else None)
+        earlier = hoisted.get(index)
+        if earlier is not None and (earlier.shape, earlier.param_dtype) != (
+                spec.shape, spec.param_dtype):
+            raise ValueError(f"zeroc pipeline: parameter {spec.name} is gathered as "
+                             f"{earlier.shape} and as {spec.shape} in one graph")
+        if earlier is None or earlier.pending is None:
+            hoisted[index] = spec
+        node.replace_all_uses_with(shard)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return hoisted
+
+
+def full_size_inputs(inputs: list[Any], hoisted: dict[int, HoistedParam]) -> list[Any]:
+    """``inputs`` with each hoisted parameter replaced by an untouched full-size parameter."""
+    out = list(inputs)
+    for index, spec in hoisted.items():
+        shard = inputs[index]
+        full = torch.empty(spec.shape, dtype=spec.param_dtype or shard.dtype,
+                           device=shard.device)
+        out[index] = nn.Parameter(full, requires_grad=shard.requires_grad)
+    return out

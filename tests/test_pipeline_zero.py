@@ -1,0 +1,116 @@
+"""ZeRO inside a pipeline: parameters gathered and gradients reduced once per step.
+
+On 4 gloo ranks (pp=2 x dp=2, ZeRO-3 and ZeRO-2, 1F1B with 4 micro-batches) the collectives
+of the data-parallel group are counted in the second step: with the default
+``pp_reshard=False`` each rank issues one all-gather and one reduce-scatter per bucket of its
+stage, whatever the number of micro-batches; with ``pp_reshard=True`` the stage graphs gather
+and reduce in every micro-batch. Both train to eager's numbers on the global batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from parity import ADAM, assert_tensors_match
+from test_torch_distributed import batches, eager_run, make_gpt, rows
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zeroc
+
+MICROBATCHES = 4
+
+
+class CollectiveCount(TorchDispatchMode):
+    """Counts gathers into one tensor and reductions (not the list all-gather of the step's
+    loss and timings, nor p2p)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = {"all_gather": 0, "reduce": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if "allgather_into_tensor" in name or "_allgather_base" in name or (
+                "all_gather_into_tensor" in name):
+            self.counts["all_gather"] += 1
+        elif "reduce_scatter" in name or "allreduce" in name or "all_reduce" in name:
+            if not name.startswith("_c10d_functional::wait"):
+                self.counts["reduce"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counting_job(rank: int, world: int, zero: int, reshard: bool) -> dict:
+    torch._dynamo.reset()
+    model = zeroc.parallelize(make_gpt(), zero=zero, pp=2)
+    compiled = torch.compile(model, backend="zeroc", options={
+        "schedule": "1f1b", "microbatches": MICROBATCHES, "pp_reshard": reshard})
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+    dp_index = model._zeroc_layout.mesh.dp_index
+    from zeroc.runtime.pipeline_executor import PipelineExecutor
+
+    counters = []
+    run = PipelineExecutor.run
+
+    def counted_run(self, *args, **kwargs):  # the step, outside Dynamo's frame
+        counters.append(CollectiveCount())
+        with counters[-1]:
+            return run(self, *args, **kwargs)
+
+    PipelineExecutor.run = counted_run
+    losses = []
+    try:
+        for index in range(2):
+            loss = compiled(*rows(batches()[index], dp_index, 2))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    finally:
+        PipelineExecutor.run = run
+    counts = counters[-1].counts
+    executor = compiled_executor(compiled)
+    buckets = None
+    if executor.zero is not None:
+        buckets = executor.zero.counts
+    plan = zeroc.explain(compiled)
+    step_ops = sorted(c.op for c in plan.collectives if c.graph.endswith(".step"))
+    in_graphs = sorted(c.op for c in plan.collectives if not c.graph.endswith(".step"))
+    return {"losses": losses, "counts": counts, "buckets": buckets, "step_ops": step_ops,
+            "in_graphs": in_graphs, "plan": str(plan),
+            "stages": len(executor.stages), "full": zeroc.full_state_dict(model)}
+
+
+def compiled_executor(compiled):
+    from zeroc.session import SESSION_ATTR, wrapper_of
+
+    return getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("zero", [3, 2])
+def test_zero_collectives_once_per_step_in_a_pipeline(zero: int) -> None:
+    once = run_ranks(counting_job, 4, zero, False, timeout=400)
+    every = run_ranks(counting_job, 4, zero, True, timeout=400)
+    losses, _, reference = eager_run(range(2))
+    for mode in (once, every):
+        # Each data-parallel replica returns the loss of its rows; their mean is eager's.
+        mean = [sum(r["losses"][i] for r in mode) / len(mode) for i in range(2)]
+        assert mean == pytest.approx(losses, rel=1e-5)
+        assert_tensors_match(reference.state_dict(), mode[0]["full"], f"zero={zero}")
+    for result in once:
+        # One bucket per stage (all parameters of a stage fit in 25 MiB): one gather and one
+        # reduction per stage and step.
+        assert result["buckets"] == {"all_gather": result["stages"], "reduce": result["stages"]}
+        assert result["counts"] == result["buckets"]
+        # The plan lists the step's buckets and no collective inside the stage graphs.
+        assert result["step_ops"] == sorted(
+            ["all_gather"] * result["stages"] + ["reduce_scatter"] * result["stages"])
+        assert result["in_graphs"] == []
+        assert ".step" in result["plan"]
+    for result in every:
+        assert result["step_ops"] == [] and "all_gather" in result["in_graphs"]
+    for first, second in zip(once, every, strict=True):
+        assert second["counts"]["reduce"] >= MICROBATCHES * first["counts"]["reduce"]
+        assert second["counts"]["all_gather"] >= MICROBATCHES * first["counts"]["all_gather"]
