@@ -25,6 +25,15 @@ from zeroc.runtime.schedule_grid import render_grid
 from zeroc.runtime.simulate import ActionCosts, simulate
 
 
+def _measured_p2p_wait(labels: tuple[tuple[str, ...], ...],
+                       times: tuple[tuple[tuple[float, float], ...], ...]) -> tuple[float, ...]:
+    """Per rank, milliseconds of the last step spent in p2p groups (waiting for receives)."""
+    return tuple(1000 * sum(end - start for label, (start, end) in zip(rank_labels, rank_times,
+                                                                       strict=True)
+                            if label.startswith(("SEND", "RECV")))
+                 for rank_labels, rank_times in zip(labels, times, strict=True))
+
+
 def _measured_bubbles(labels: tuple[tuple[str, ...], ...],
                       times: tuple[tuple[tuple[float, float], ...], ...]) -> tuple[float, ...]:
     """Per rank, the fraction of the step (earliest start to latest end) not computing."""
@@ -113,6 +122,7 @@ def pipeline_info(record: Any) -> PipelineInfo:
         grid=render_grid(schedule, timeline, time_unit=unit) + "\n" + legend,
         bubble_ratios=tuple(timeline.bubble_ratio(r) for r in range(schedule.num_ranks)),
         measured_bubble_ratios=_measured_bubbles(labels, times),
+        measured_p2p_wait_ms=_measured_p2p_wait(labels, times),
         peak_activations=timeline.peak_activations,
         peak_activation_bytes=tuple(peak_bytes),
         event_labels=labels,

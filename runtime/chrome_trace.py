@@ -18,7 +18,8 @@ def _category(label: str) -> str:
     if "&" in label:
         return "F&B"
     head = label.split("@", 1)[0].rstrip("0123456789")
-    return "p2p" if head.startswith(("SEND", "RECV")) else head
+    # A p2p group's span is the time the rank waited for its receives (sends run behind).
+    return "p2p wait" if head.startswith(("SEND", "RECV")) else head
 
 
 def trace_events(info: PipelineInfo) -> list[dict[str, Any]]:
@@ -50,5 +51,7 @@ def write_chrome_trace(info: PipelineInfo, path: str) -> str:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms",
                    "otherData": {"schedule": info.schedule,
-                                 "microbatches": info.num_microbatches}}, handle)
+                                 "microbatches": info.num_microbatches,
+                                 "p2p_wait_ms_per_rank": list(info.measured_p2p_wait_ms)}},
+                  handle)
     return path

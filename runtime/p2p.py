@@ -1,10 +1,14 @@
 """Point-to-point transfers of a pipeline step: batched isend/irecv and gradient exchange.
 
-Every p2p group of a lowered schedule (``zeroc.passes.comm_lowering.p2p_groups``) is posted as
-one ``torch.distributed.batch_isend_irecv`` and waited on before the rank goes on; the
-lowering's global order makes that deadlock-free. Messages carry several tensors; both sides
-enumerate them in the same order, so torch.distributed's in-order matching of messages on a
-(source, destination) pair pairs them up. Works with gloo (CPU) and NCCL (GPU).
+The executor posts the receives of a p2p group of the lowered schedule
+(``zeroc.passes.comm_lowering.p2p_groups``) before the compute that precedes the group, posts
+the group's sends when it reaches it and waits for them only at the end of the step, and waits
+for the receives where the group stands, right before their values are needed. Every wait is
+at or after the point where the lowering's deadlock-free order (one batch per group, waited
+at once) would have waited, so this order is deadlock-free too. Messages carry several
+tensors; both sides enumerate them in the same order, so torch.distributed's in-order
+matching of messages on a (source, destination) pair pairs them up. Works with gloo (CPU)
+and NCCL (GPU).
 
 ``exchange_and_sum`` adds up the gradients of parameters that several pipeline ranks hold (a
 tied embedding and head on the first and last stage, DualPipe's two copies of every stage):
@@ -15,6 +19,7 @@ holder ends with bitwise the same sum.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +32,19 @@ class Transfer:
     send: bool
     tensor: torch.Tensor
     peer: int
+
+
+def post_sends(tensors: list[torch.Tensor], peer: int,
+               group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Post one ``isend`` per non-empty tensor to global rank ``peer``; return the works (the
+    caller keeps each tensor alive and unchanged until its work is waited)."""
+    return [dist.isend(t, peer, group) for t in tensors if t.numel()]
+
+
+def post_receives(tensors: list[torch.Tensor], peer: int,
+                  group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Post one ``irecv`` per non-empty tensor from global rank ``peer``; return the works."""
+    return [dist.irecv(t, peer, group) for t in tensors if t.numel()]
 
 
 def run_transfers(transfers: list[Transfer], group: dist.ProcessGroup | None = None) -> None:

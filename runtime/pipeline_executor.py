@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from zeroc.runtime.actions import Action, ActionKind, Schedule
 from zeroc.runtime.mesh import resolve_group
-from zeroc.runtime.p2p import Transfer, exchange_and_sum, run_transfers
+from zeroc.runtime.p2p import exchange_and_sum, post_receives, post_sends
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
 
 ValueMeta = tuple[tuple[int, ...], torch.dtype, bool]
@@ -146,14 +146,21 @@ class PipelineExecutor:
             self.zero.begin()
         my_groups = self.groups[train][self.layout.position]
         spans = []
+        self._posted: dict[int, list] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []
         with torch.no_grad():
-            for group in my_groups:
+            for position, group in enumerate(my_groups):
                 start = time.time()
                 if group[0].is_p2p:
-                    self._p2p(group)
+                    self._p2p(position, group)
                 else:
+                    # Receives of the next p2p group are posted before this compute runs.
+                    self._post_receives(position + 1, my_groups)
                     self._compute(group[0])
                 spans.append((start, time.time()))
+            for work, _tensor in self._sends:  # sends completed in the background
+                work.wait()
+            self._sends = []
             loss = self._finish(spans, train)
             grads = self._grads
             if train and self.zero is not None:  # once per step, after the last backward
@@ -382,31 +389,57 @@ class PipelineExecutor:
 
     # -- p2p ------------------------------------------------------------------------------
 
-    def _p2p(self, group: tuple[Action, ...]) -> None:
-        transfers: list[Transfer] = []
-        arrivals: list[tuple[dict, tuple[int, int], list[str], list[torch.Tensor]]] = []
+    def _skipped(self, action: Action) -> bool:
+        return not self._train and action.kind in (ActionKind.SEND_B, ActionKind.RECV_B)
+
+    def _post_receives(self, position: int, groups: list[tuple[Action, ...]]) -> None:
+        """Post the receives of p2p group ``position`` now (if it is one, and not yet)."""
+        if position < len(groups) and groups[position][0].is_p2p:
+            self._post_group(position, groups[position])
+
+    def _post_group(self, position: int, group: tuple[Action, ...]) -> None:
+        if position in self._posted:
+            return
+        ranks = self.layout.global_ranks
+        posted = []
+        for action in group:
+            if action.kind not in (ActionKind.RECV_F, ActionKind.RECV_B) or self._skipped(action):
+                continue
+            forward = action.kind is ActionKind.RECV_F
+            keys = list(self.layout.messages[action.stage - 1] if forward
+                        else self._grad_keys(action.stage))
+            device = self._device()
+            tensors = [torch.empty(self.layout.values[k][0], dtype=self.layout.values[k][1],
+                                   device=device) for k in keys]
+            works = post_receives(tensors, ranks[action.peer])
+            inbox = self._inbox_f if forward else self._inbox_b
+            posted.append((inbox, (action.stage, action.microbatch), keys, tensors, works))
+        self._posted[position] = posted
+
+    def _device(self) -> torch.device:
+        tensor = next((v for v in self._inputs if isinstance(v, torch.Tensor)), None)
+        return tensor.device if tensor is not None else torch.device("cpu")
+
+    def _p2p(self, position: int, group: tuple[Action, ...]) -> None:
+        """Post this group's sends (waited at the end of the step) and wait for its receives,
+        posted here or before the previous compute."""
         ranks = self.layout.global_ranks
         for action in group:
-            if not self._train and action.kind in (ActionKind.SEND_B, ActionKind.RECV_B):
+            if self._skipped(action):
                 continue
-            peer = ranks[action.peer]
             if action.kind is ActionKind.SEND_F:
                 tensors = self._outbox.pop(("F", action.stage + 1, action.microbatch))
             elif action.kind is ActionKind.SEND_B:
                 tensors = self._outbox.pop(("B", action.stage - 1, action.microbatch))
             else:
-                forward = action.kind is ActionKind.RECV_F
-                keys = list(self.layout.messages[action.stage - 1] if forward
-                            else self._grad_keys(action.stage))
-                tensors = [torch.empty(self.layout.values[k][0], dtype=self.layout.values[k][1])
-                           for k in keys]
-                inbox = self._inbox_f if forward else self._inbox_b
-                arrivals.append((inbox, (action.stage, action.microbatch), keys, tensors))
-            send = action.kind in (ActionKind.SEND_F, ActionKind.SEND_B)
-            transfers.extend(Transfer(send, t.contiguous() if send else t, peer)
-                             for t in tensors)
-        run_transfers(transfers)
-        for inbox, key, names, tensors in arrivals:
+                continue
+            tensors = [t.contiguous() for t in tensors]
+            self._sends.extend(zip(post_sends(tensors, ranks[action.peer]), tensors,
+                                   strict=True))
+        self._post_group(position, group)
+        for inbox, key, names, tensors, works in self._posted.pop(position, []):
+            for work in works:
+                work.wait()
             inbox[key] = dict(zip(names, tensors, strict=True))
 
     def _grad_keys(self, stage: int) -> list[str]:

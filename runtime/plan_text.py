@@ -138,9 +138,12 @@ def render_pipeline(info: PipelineInfo) -> str:
         stages = ",".join(str(s) for s, ranks in enumerate(info.placement) if rank in ranks)
         measured = (f"{100 * info.measured_bubble_ratios[rank]:.1f}%"
                     if info.measured_bubble_ratios else "-")
-        rows.append([rank, stages, f"{100 * info.bubble_ratios[rank]:.1f}%", measured,
+        wait = (f"{info.measured_p2p_wait_ms[rank]:.1f}" if info.measured_p2p_wait_ms
+                else "-")
+        rows.append([rank, stages, f"{100 * info.bubble_ratios[rank]:.1f}%", measured, wait,
                      info.peak_activations[rank], human_bytes(info.peak_activation_bytes[rank])])
     table = tabulate(rows, headers=["rank", "stages", "bubble (model)", "bubble (measured)",
+                                    "p2p wait (ms, measured)",
                                     "peak activations (micro-batches)", "peak activation memory"])
     return (f"pipeline: schedule {info.schedule}, {info.num_ranks} ranks, {info.num_stages} "
             f"stages, {info.num_microbatches} micro-batches\n{info.grid}\n\n{table}")

@@ -144,3 +144,5 @@ class PipelineInfo:
     peak_activation_bytes: tuple[int, ...]
     event_labels: tuple[tuple[str, ...], ...]
     event_times: tuple[tuple[tuple[float, float], ...], ...]
+    # Per rank, ms of the last step spent waiting in p2p (empty before the first step).
+    measured_p2p_wait_ms: tuple[float, ...] = ()

@@ -150,6 +150,11 @@ def test_pp2_dp2_zero3_dualpipev_plan_and_trace() -> None:
     assert re.search(r"rank  0 \| F0 *\|F1", text) and "F3&b1" in text
     assert "time unit: ms; stage costs measured in the last step" in text
     assert "bubble (measured)" in text and "peak activation memory" in text
+    # Each rank's p2p wait of the last step: in the plan's table and in the trace.
+    assert "p2p wait (ms, measured)" in text
+    waits = first["trace"]["otherData"]["p2p_wait_ms_per_rank"]
+    assert len(waits) == 2 and all(w >= 0 for w in waits)
+    assert any(e.get("cat") == "p2p wait" for e in first["trace"]["traceEvents"])
     tracks = {e["tid"] for e in first["trace"]["traceEvents"] if e["ph"] == "X"}
     assert tracks == {0, 1}
     names = {e["name"] for e in first["trace"]["traceEvents"] if e["ph"] == "X"}
