@@ -1,8 +1,11 @@
 """zeroc pipelines against torch.distributed.pipelining: step time, CPU time, peak RSS, losses.
 
-The zoo GPT (8 blocks, width 128, vocab 512, sequence 64 by default), its head UNTIED from the
-token embedding on both sides (torch pipelining cannot tie across stages), trains with AdamW on
-4 gloo ranks (one thread each), the global batch in 8 micro-batches. Each configuration runs in
+The zoo GPT (8 blocks, width 256, 4 heads, vocab 2048, sequence 128 by default: 7.4M
+parameters), its head UNTIED from the token embedding on both sides (torch pipelining cannot
+tie across stages), trains with AdamW on ``--world`` gloo ranks (4 by default; one thread
+each), a global batch of 16 in 8 micro-batches. ``--repeats`` runs every configuration once per
+repeat, interleaved, and reports the median over the repeats of the step time, CPU time, peak
+RSS and model state (parameters, gradients and Adam state a rank holds). Each configuration runs in
 fresh ranks (``zeroc.launch.run_ranks``), so a rank's peak RSS is that configuration's alone:
 
 - ``zeroc_dualpipev`` / ``zeroc_1f1b``: ``zeroc.parallelize(model, zero=0, pp=4)`` (replicated
@@ -17,11 +20,12 @@ Per rank: median wall and CPU time of ``--steps`` steps (barrier, forward + back
 zero_grad) after ``--warmup`` ones, ``ru_maxrss``, every step's loss (each pair must agree).
 For zeroc the executor's action timings are summed by kind (F, B, I, W, F&B, p2p).
 
-    python benchmarks/pipeline_vs_torch.py --steps 10 --warmup 3 --json pipeline.json
+    python benchmarks/pipeline_vs_torch.py --world 2 --repeats 3 --json pipeline.json
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import json
@@ -177,6 +181,19 @@ def add_action_times(totals: dict[str, float], compiled: Any, rank: int, step_s:
     totals["outside"] = totals.get("outside", 0.0) + step_s - inside
 
 
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state (after a step, before
+    ``zero_grad``); a DTensor counts its local shard."""
+    total = 0
+    for param in model.parameters():
+        tensors = [param, param.grad, *optimizer.state.get(param, {}).values()]
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+                part = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                total += part.numel() * part.element_size()
+    return total
+
+
 def max_rss_mb() -> float:
     """Peak resident set size of this process so far, MiB (``ru_maxrss`` is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -197,6 +214,7 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
     x, y = random_token_batch(cfg.vocab_size, cfg.block_size, setup.batch, None, seed=1)
     times, cpu_times, losses, actions = [], [], [], {}
     first_step_s, warm_rss = 0.0, start_rss
+    state_bytes = 0
     for index in range(setup.warmup + setup.steps):
         if index == setup.warmup:
             warm_rss = max_rss_mb()
@@ -204,6 +222,8 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
         begin, cpu_begin = time.perf_counter(), time.process_time()
         loss = step(x, y)
         optimizer.step()
+        if index == setup.warmup + setup.steps - 1:
+            state_bytes = model_state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - begin
         cpu_elapsed = time.process_time() - cpu_begin
@@ -221,6 +241,7 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
         "params": sum(p.numel() for p in model.parameters()),
         "optimized_params": sum(p.numel() for p in model.parameters() if p in optimizer.state),
         "action_ms": {k: 1000 * v / setup.steps for k, v in actions.items()},
+        "model_state_bytes": state_bytes,
     }
 
 
@@ -242,8 +263,11 @@ class Measurement:
     params_per_rank: list[int] | None = None
     optimized_params_per_rank: list[int] | None = None
     action_ms_per_rank: list[dict[str, float]] | None = None
+    model_state_mb: float | None = None
+    model_state_mb_per_rank: list[float] | None = None
     wall_s: float | None = None
     error: str | None = None
+    step_ms_per_repeat: list[float | None] | None = None
 
 
 def measure(config: str, setup: Setup, world: int, timeout: float) -> Measurement:
@@ -272,7 +296,22 @@ def measure(config: str, setup: Setup, world: int, timeout: float) -> Measuremen
     result.optimized_params_per_rank = [r["optimized_params"] for r in ranks]
     if any(r["action_ms"] for r in ranks):
         result.action_ms_per_rank = [r["action_ms"] for r in ranks]
+    result.model_state_mb_per_rank = [r["model_state_bytes"] / 2**20 for r in ranks]
+    result.model_state_mb = max(result.model_state_mb_per_rank)
     return result
+
+
+MEDIAN_FIELDS = ("step_median_ms", "cpu_total_ms", "peak_rss_mb", "model_state_mb")
+
+
+def median_of(repeats: list[Measurement]) -> Measurement:
+    """The last repeat that ran, with each of ``MEDIAN_FIELDS`` the median over the repeats."""
+    ok = [m for m in repeats if m.error is None]
+    if not ok:
+        return repeats[-1]
+    medians = {k: statistics.median(getattr(m, k) for m in ok) for k in MEDIAN_FIELDS}
+    return dataclasses.replace(ok[-1], **medians,
+                               step_ms_per_repeat=[m.step_median_ms for m in repeats])
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -293,22 +332,24 @@ def per_rank(values: list[float] | None, scale: float = 1.0, digits: int = 0) ->
 def report(results: dict[str, Measurement]) -> str:
     """Time and memory tables, the zeroc/torch ratios and zeroc's per-action times, as text."""
     rows = [[m.config, fmt(m.step_median_ms),
+             " / ".join(fmt(v) for v in m.step_ms_per_repeat or []),
              per_rank(m.step_median_ms_per_rank, digits=1), fmt(m.cpu_total_ms),
              per_rank(m.cpu_median_ms_per_rank, digits=1), fmt(m.first_step_s, 2),
              fmt(m.losses[0], 5) if m.losses else "n/a",
              fmt(m.losses[-1], 5) if m.losses else "n/a", m.error or ""]
             for m in results.values()]
     text = tabulate(rows, headers=[
-        "config", "step median (ms)", "median per rank",
+        "config", "step median (ms)", "per repeat", "median per rank (last repeat)",
         "CPU ms/step (sum)", "CPU per rank", "first step (s)", "loss step 1", "loss last",
         "error"])
     rows = [[m.config, fmt(m.peak_rss_mb, 0), per_rank(m.peak_rss_mb_per_rank),
              fmt(m.start_rss_mb, 0), fmt(m.warm_rss_mb, 0),
-             per_rank(m.params_per_rank, 1e6, 2), per_rank(m.optimized_params_per_rank, 1e6, 2)]
+             per_rank(m.params_per_rank, 1e6, 2), per_rank(m.optimized_params_per_rank, 1e6, 2),
+             fmt(m.model_state_mb, 2), per_rank(m.model_state_mb_per_rank, digits=2)]
             for m in results.values()]
     text += "\n\n" + tabulate(rows, headers=[
         "config", "peak RSS (MiB)", "per rank", "at start", "peak after warm-up",
-        "params held (M)", "params optimized (M)"])
+        "params held (M)", "params optimized (M)", "model state (MiB, max)", "per rank"])
     ratio_rows = []
     for ours, theirs in PAIRS:
         if ours not in results or theirs not in results:
@@ -318,9 +359,11 @@ def report(results: dict[str, Measurement]) -> str:
                 if a.losses and b.losses else None)
         ratio_rows.append([f"{ours} / {theirs}", ratio(a.step_median_ms, b.step_median_ms),
                            ratio(a.cpu_total_ms, b.cpu_total_ms),
-                           ratio(a.peak_rss_mb, b.peak_rss_mb), fmt(diff, 7)])
+                           ratio(a.peak_rss_mb, b.peak_rss_mb),
+                           ratio(a.model_state_mb, b.model_state_mb), fmt(diff, 7)])
     text += "\n\n" + tabulate(ratio_rows, headers=[
-        "ratio", "step median", "CPU per step", "peak RSS", "max |loss diff| over steps"])
+        "ratio of medians", "step", "CPU per step", "peak RSS", "model state",
+        "max |loss diff| over steps"])
     for m in results.values():
         if not m.action_ms_per_rank:
             continue
@@ -340,15 +383,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated subset of {list(CONFIGS)}")
     parser.add_argument("--world", type=int, default=4, help="gloo ranks = pipeline ranks")
-    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
-    for name, default in (("--microbatches", 8), ("--seq", 64), ("--d-model", 128),
-                          ("--n-layer", 8), ("--n-head", 4), ("--vocab", 512)):
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved repeats; the median over them is reported")
+    for name, default in (("--microbatches", 8), ("--seq", 128), ("--d-model", 256),
+                          ("--n-layer", 8), ("--n-head", 4), ("--vocab", 2048)):
         parser.add_argument(name, type=int, default=default)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1:
-        parser.error(f"--steps={args.steps} and --warmup={args.warmup} must be >= 1")
+    if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
+        parser.error(f"--steps={args.steps}, --warmup={args.warmup} and --repeats="
+                     f"{args.repeats} must be >= 1")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:
@@ -376,20 +422,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"batch {args.batch}x{args.seq} in {args.microbatches} micro-batches, torch "
           f"{torch.__version__}, {args.steps} timed steps after {args.warmup} warm-up steps, "
           f"load average {load_before[0]:.2f}", flush=True)
-    results = {}
-    for name in args.configs:
-        m = measure(name, setup, args.world, args.timeout)
-        results[name] = m
-        print(f"  {name}: median {fmt(m.step_median_ms)} ms, peak RSS {fmt(m.peak_rss_mb, 0)} "
-              f"MiB, wall {fmt(m.wall_s)} s, load {os.getloadavg()[0]:.2f}", flush=True)
-    print()
+    repeats: dict[str, list[Measurement]] = {name: [] for name in args.configs}
+    for repeat in range(args.repeats):
+        for name in args.configs:
+            m = measure(name, setup, args.world, args.timeout)
+            repeats[name].append(m)
+            print(f"  [{repeat + 1}/{args.repeats}] {name}: median {fmt(m.step_median_ms)} ms, "
+                  f"peak RSS {fmt(m.peak_rss_mb, 0)} MiB, model state "
+                  f"{fmt(m.model_state_mb, 2)} MiB, wall {fmt(m.wall_s)} s, load "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+    results = {name: median_of(runs) for name, runs in repeats.items()}
+    print(f"\nMedians over {args.repeats} interleaved repeats:")
     print(report(results))
     payload = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(),
         "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "model": asdict(config), "parameters": n_params, "args": vars(args),
-        "results": {name: asdict(m) for name, m in results.items()}}
+        "results": {name: asdict(m) for name, m in results.items()},
+        "all_repeats": {name: [asdict(m) for m in runs] for name, runs in repeats.items()}}
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(payload, handle, indent=2)
