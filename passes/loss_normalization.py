@@ -72,7 +72,8 @@ def _value(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node
 
 
-def _reads_parameter(node: torch.fx.Node, params: set[str]) -> bool:
+def reads_parameter(node: torch.fx.Node, params: set[str]) -> bool:
+    """Whether ``node`` depends on a placeholder named in ``params``."""
     seen, work = set(), [node]
     while work:
         current = work.pop()
@@ -166,7 +167,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
         numerator, divisor = node.args
         if isinstance(divisor, (int, float)):
             return _rewrite(gm, numerator, params)
-        if isinstance(divisor, torch.fx.Node) and not _reads_parameter(divisor, params):
+        if isinstance(divisor, torch.fx.Node) and not reads_parameter(divisor, params):
             inner = _rewrite(gm, numerator, params)
             if isinstance(inner, str) or inner[0] != "sum":
                 return inner if isinstance(inner, str) else (

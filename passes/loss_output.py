@@ -24,6 +24,8 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
+from zeroc.passes.loss_normalization import reads_parameter
+
 __all__ = ["LossOutput", "keep_loss_output"]
 
 
@@ -56,19 +58,6 @@ def _value(arg: Any) -> Any:
     return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else arg
 
 
-def _reads_parameter(node: torch.fx.Node, params: set[str]) -> bool:
-    seen, work = set(), [node]
-    while work:
-        current = work.pop()
-        if current.name in seen:
-            continue
-        seen.add(current.name)
-        if current.op == "placeholder" and current.name in params:
-            return True
-        work.extend(current.all_input_nodes)
-    return False
-
-
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
@@ -85,7 +74,7 @@ def keep_loss_output(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
     candidates = [
         i for i, (arg, value) in enumerate(zip(flat, values, strict=True))
         if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor)
-        and value.dim() == 0 and value.is_floating_point() and _reads_parameter(arg, param_names)
+        and value.dim() == 0 and value.is_floating_point() and reads_parameter(arg, param_names)
     ]
     if len(candidates) != 1:
         found = ", ".join(_describe(v) for v in values) or "nothing"

@@ -57,18 +57,24 @@ def gradients_job(rank: int, world: int, names: tuple[str, ...]) -> dict:
     return out
 
 
+def _train(model: torch.nn.Module, run, direct: bool) -> list[float]:
+    """``STEPS`` AdamW steps of ``model``, its forward called through ``run``; the losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(run, direct, *token_batch(TRAIN_BATCH, seed=step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 def training_job(rank: int, world: int, cases: tuple) -> dict:
     out = {}
     for name, direct, schedule in cases:
         model, compiled = _pipelined(name, 8, direct, world, schedule)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for step in range(STEPS):
-            loss = _loss(compiled, direct, *token_batch(TRAIN_BATCH, seed=step))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        losses = _train(model, compiled, direct)
         out[(name, direct, schedule)] = {
             "losses": losses, "params": {n: p.detach().clone()
                                          for n, p in model.named_parameters()}}
@@ -84,15 +90,7 @@ def _eager_gradients(name: str) -> tuple[float, dict]:
 
 def _eager_training(name: str, direct: bool) -> tuple[list[float], dict]:
     model = _model(name, 8, direct)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(STEPS):
-        loss = _loss(model, direct, *token_batch(TRAIN_BATCH, seed=step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters())
+    return _train(model, model, direct), dict(model.named_parameters())
 
 
 @pytest.mark.slow
