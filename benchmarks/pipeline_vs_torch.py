@@ -175,9 +175,12 @@ def add_action_times(totals: dict[str, float], compiled: Any, rank: int, step_s:
     for label, (start, end) in zip(labels, spans, strict=True):
         kind = action_kind(label)
         totals[kind] = totals.get(kind, 0.0) + end - start
+    # Waits for receives happen right before the compute that reads them: p2p time too.
+    waited = sum(timings.waits[rank]) if timings.waits else 0.0
+    totals["p2p"] = totals.get("p2p", 0.0) + waited
     busy = sum(end - start for start, end in spans)
     inside = spans[-1][1] - spans[0][0]
-    totals["gaps"] = totals.get("gaps", 0.0) + inside - busy
+    totals["gaps"] = totals.get("gaps", 0.0) + inside - busy - waited
     totals["outside"] = totals.get("outside", 0.0) + step_s - inside
 
 

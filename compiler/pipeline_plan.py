@@ -26,12 +26,16 @@ from zeroc.runtime.simulate import ActionCosts, simulate
 
 
 def _measured_p2p_wait(labels: tuple[tuple[str, ...], ...],
-                       times: tuple[tuple[tuple[float, float], ...], ...]) -> tuple[float, ...]:
-    """Per rank, milliseconds of the last step spent in p2p groups (waiting for receives)."""
-    return tuple(1000 * sum(end - start for label, (start, end) in zip(rank_labels, rank_times,
-                                                                       strict=True)
-                            if label.startswith(("SEND", "RECV")))
-                 for rank_labels, rank_times in zip(labels, times, strict=True))
+                       times: tuple[tuple[tuple[float, float], ...], ...],
+                       waits: tuple[tuple[float, ...], ...]) -> tuple[float, ...]:
+    """Per rank, milliseconds of the last step spent posting p2p groups and waiting for the
+    receives a compute needed."""
+    waits = waits or tuple(() for _ in labels)
+    return tuple(1000 * (sum(end - start for label, (start, end) in zip(rank_labels, rank_times,
+                                                                        strict=True)
+                             if label.startswith(("SEND", "RECV"))) + sum(rank_waits))
+                 for rank_labels, rank_times, rank_waits in zip(labels, times, waits,
+                                                                strict=True))
 
 
 def _measured_bubbles(labels: tuple[tuple[str, ...], ...],
@@ -122,7 +126,9 @@ def pipeline_info(record: Any) -> PipelineInfo:
         grid=render_grid(schedule, timeline, time_unit=unit) + "\n" + legend,
         bubble_ratios=tuple(timeline.bubble_ratio(r) for r in range(schedule.num_ranks)),
         measured_bubble_ratios=_measured_bubbles(labels, times),
-        measured_p2p_wait_ms=_measured_p2p_wait(labels, times),
+        measured_p2p_wait_ms=_measured_p2p_wait(labels, times,
+                                                timings.waits if timings is not None else ()),
+        event_waits=timings.waits if timings is not None else (),
         peak_activations=timeline.peak_activations,
         peak_activation_bytes=tuple(peak_bytes),
         event_labels=labels,

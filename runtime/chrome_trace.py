@@ -18,8 +18,8 @@ def _category(label: str) -> str:
     if "&" in label:
         return "F&B"
     head = label.split("@", 1)[0].rstrip("0123456789")
-    # A p2p group's span is the time the rank waited for its receives (sends run behind).
-    return "p2p wait" if head.startswith(("SEND", "RECV")) else head
+    # A p2p group's span is the time it took to post its transfers.
+    return "p2p" if head.startswith(("SEND", "RECV")) else head
 
 
 def trace_events(info: PipelineInfo) -> list[dict[str, Any]]:
@@ -27,13 +27,22 @@ def trace_events(info: PipelineInfo) -> list[dict[str, Any]]:
     starts = [t[0] for rank in info.event_times for t in rank]
     if not starts:
         return []
-    origin = min(starts)
+    waited = [t[0] - w for rank, rank_waits in zip(info.event_times, info.event_waits,
+                                                     strict=False)
+              for t, w in zip(rank, rank_waits, strict=True)]
+    origin = min(starts + waited)
     events: list[dict[str, Any]] = []
     for rank, (labels, times) in enumerate(zip(info.event_labels, info.event_times,
                                                strict=True)):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank,
                        "args": {"name": f"rank {rank}"}})
-        for label, (start, end) in zip(labels, times, strict=True):
+        waits = info.event_waits[rank] if info.event_waits else (0.0,) * len(labels)
+        for label, (start, end), wait in zip(labels, times, waits, strict=True):
+            if wait > 0:  # waiting for the receives this group reads, right before it
+                events.append({
+                    "name": f"wait for {label}", "cat": "p2p wait", "ph": "X", "pid": 0,
+                    "tid": rank, "ts": round((start - wait - origin) * 1e6, 3),
+                    "dur": round(wait * 1e6, 3)})
             events.append({
                 "name": label, "cat": _category(label), "ph": "X", "pid": 0, "tid": rank,
                 "ts": round((start - origin) * 1e6, 3),

@@ -3,7 +3,7 @@
 The executor posts the receives of a p2p group of the lowered schedule
 (``zeroc.passes.comm_lowering.p2p_groups``) before the compute that precedes the group, posts
 the group's sends when it reaches it and waits for them only at the end of the step, and waits
-for the receives where the group stands, right before their values are needed. Every wait is
+for a receive only right before the compute that reads its value. Every wait is
 at or after the point where the lowering's deadlock-free order (one batch per group, waited
 at once) would have waited, so this order is deadlock-free too. Messages carry several
 tensors; both sides enumerate them in the same order, so torch.distributed's in-order

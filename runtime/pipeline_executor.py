@@ -94,6 +94,8 @@ class StepTimings:
 
     labels: tuple[tuple[str, ...], ...]
     times: tuple[tuple[tuple[float, float], ...], ...]
+    # Seconds each group waited, before it started, for receives it needed (per rank).
+    waits: tuple[tuple[float, ...], ...] = ()
 
 
 def action_groups(actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
@@ -145,8 +147,9 @@ class PipelineExecutor:
         if self.zero is not None:
             self.zero.begin()
         my_groups = self.groups[train][self.layout.position]
-        spans = []
+        spans, waits = [], []
         self._posted: dict[int, list] = {}
+        self._arriving: dict[tuple[str, int, int], list[Any]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
         with torch.no_grad():
             for position, group in enumerate(my_groups):
@@ -154,14 +157,21 @@ class PipelineExecutor:
                 if group[0].is_p2p:
                     self._p2p(position, group)
                 else:
-                    # Receives of the next p2p group are posted before this compute runs.
+                    # Receives of the next p2p group are posted before this compute runs;
+                    # this compute waits only for the messages it reads.
                     self._post_receives(position + 1, my_groups)
+                    self._await_messages(group[0])
+                    waited, start = time.time() - start, time.time()
                     self._compute(group[0])
                 spans.append((start, time.time()))
+                waits.append(0.0 if group[0].is_p2p else waited)
+            for works in self._arriving.values():  # messages nothing read (eval: gradients)
+                for work in works:
+                    work.wait()
             for work, _tensor in self._sends:  # sends completed in the background
                 work.wait()
             self._sends = []
-            loss = self._finish(spans, train)
+            loss = self._finish(spans, waits, train)
             grads = self._grads
             if train and self.zero is not None:  # once per step, after the last backward
                 self.zero.reduce(grads, inputs)
@@ -180,14 +190,16 @@ class PipelineExecutor:
         self.steps += 1
         return loss, grads
 
-    def _finish(self, spans: list[tuple[float, float]], train: bool) -> torch.Tensor:
+    def _finish(self, spans: list[tuple[float, float]], waits: list[float],
+                train: bool) -> torch.Tensor:
         """All-gather loss shares and timings over the pipeline group; return the mean loss."""
         groups = self.groups[train]
         digest = self._batch_digest()
-        timing_width = 2 * max(len(g) for g in groups)
+        timing_width = 3 * max(len(g) for g in groups)
         mine = torch.zeros(1 + timing_width + digest.numel(), dtype=torch.float64)
         mine[0] = self._loss
-        flat = torch.tensor([t for span in spans for t in span], dtype=torch.float64)
+        flat = torch.tensor([t for span, wait in zip(spans, waits, strict=True)
+                             for t in (*span, wait)], dtype=torch.float64)
         mine[1:1 + flat.numel()] = flat
         mine[1 + timing_width:] = digest
         group = resolve_group(self.layout.group_name)
@@ -198,8 +210,10 @@ class PipelineExecutor:
             dist.all_gather(rows, mine, group=group)
         self.timings = StepTimings(
             labels=tuple(tuple(group_label(g) for g in rank_groups) for rank_groups in groups),
-            times=tuple(tuple((float(row[1 + 2 * i]), float(row[2 + 2 * i]))
+            times=tuple(tuple((float(row[1 + 3 * i]), float(row[2 + 3 * i]))
                               for i in range(len(groups[r]))) for r, row in enumerate(rows)),
+            waits=tuple(tuple(float(row[3 + 3 * i]) for i in range(len(groups[r])))
+                        for r, row in enumerate(rows)),
         )
         self._check_same_batch([row[1 + timing_width:] for row in rows])
         total = sum(float(row[0]) for row in rows)
@@ -437,10 +451,23 @@ class PipelineExecutor:
             self._sends.extend(zip(post_sends(tensors, ranks[action.peer]), tensors,
                                    strict=True))
         self._post_group(position, group)
+        # The values land in the inboxes now; a compute that reads one waits for it first.
         for inbox, key, names, tensors, works in self._posted.pop(position, []):
-            for work in works:
-                work.wait()
             inbox[key] = dict(zip(names, tensors, strict=True))
+            if works:
+                self._arriving[("F" if inbox is self._inbox_f else "B", *key)] = works
+
+    def _await_messages(self, action: Action) -> None:
+        """Wait for the receives ``action`` reads: its forward input, its output gradients."""
+        for part in action.parts():
+            if part.kind is ActionKind.F:
+                needed = ("F", part.stage, part.microbatch)
+            elif part.kind in (ActionKind.B, ActionKind.I):
+                needed = ("B", part.stage, part.microbatch)
+            else:
+                continue
+            for work in self._arriving.pop(needed, ()):
+                work.wait()
 
     def _grad_keys(self, stage: int) -> list[str]:
         """Keys of the backward message that ``stage`` receives (gradients of its outputs)."""

@@ -146,3 +146,5 @@ class PipelineInfo:
     event_times: tuple[tuple[tuple[float, float], ...], ...]
     # Per rank, ms of the last step spent waiting in p2p (empty before the first step).
     measured_p2p_wait_ms: tuple[float, ...] = ()
+    # Per rank and action group, seconds the group waited for receives before it started.
+    event_waits: tuple[tuple[float, ...], ...] = ()
