@@ -249,6 +249,9 @@ def _compile_pipeline(
     micro_inputs = None if dynamic_gm is None else microbatch_inputs(
         dynamic_gm, example_inputs, batch_inputs, microbatch)
     # Stage graphs are always traced for training (a no_grad call runs their forwards only).
+    # The full-batch graph gets the passes too, even when the stages come from the
+    # micro-batch graph: the loss normalization reads the loss as the passes leave it
+    # (Hugging Face's loss call is only recognised after them).
     full = run_dynamo_passes(gm, config, record if micro_inputs is None else
                              CompiledGraph(prefix=prefix, params=(), dynamo_code=""), device,
                              need_grad=True)
