@@ -67,6 +67,7 @@ from zeroc.sharded_params import (
     install,
     set_requires_gradient_sync,
 )
+from zeroc.stage_holding import FLAT_SHARDED_ATTR, install_state_dict_hooks
 from zeroc.trace_settings import ignore_model_logging, mark_batch_dynamic
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
@@ -214,6 +215,7 @@ def parallelize(
     if mesh_.pp > 1:
         ignore_model_logging()
         model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
+        install_state_dict_hooks(model)  # a rank saves only the stages it holds
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)
     if policy is not None and policy.output_dtype is not None:
@@ -231,6 +233,7 @@ def parallelize(
     for sharded in state.params:
         setattr(sharded.flat, LAYOUT_ATTR, layout)
         setattr(sharded.flat, PARAM_ATTR, sharded.record)
+        setattr(sharded.flat, FLAT_SHARDED_ATTR, sharded)
     return model
 
 

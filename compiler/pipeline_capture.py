@@ -56,6 +56,7 @@ from zeroc.runtime.pipeline_executor import (
 )
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
+from zeroc.stage_holding import keep_only
 
 LAYOUT_ATTR = "_zeroc_layout"
 
@@ -163,6 +164,13 @@ class PipelineRecord:
     executor: PipelineExecutor
     stage_params: dict[int, int]
     stage_param_bytes: dict[int, int]
+    # Pipeline position -> names of the parameters its ranks hold.
+    position_params: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
+    stage_param_names: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+def _param_name(flat: Any) -> str:
+    return getattr(getattr(flat, "_zeroc_param", None), "param_name", "")
 
 
 def compile_pipeline(
@@ -291,6 +299,14 @@ def _compile_pipeline(
     example_inputs = real_inputs  # the stage graphs are traced; the rest reads the real ones
     for index, positions in holders.items():
         setattr(example_inputs[index], PP_SOURCE_ATTR, min(positions))
+    # A parameter no stage reads stays at position 0 (so checkpoints keep it).
+    held = [example_inputs[i] for i in params
+            if position in holders.get(i, ()) or (i not in holders and position == 0)]
+    keep_only([example_inputs[i] for i in params], held)
+    position_params = {
+        p: frozenset(_param_name(example_inputs[i]) for i in params
+                     if p in holders.get(i, ()) or (i not in holders and p == 0))
+        for p in range(pp)}
     executor = PipelineExecutor(
         PipelineLayout(
             schedule=lower_communication(schedule),
@@ -328,7 +344,10 @@ def _compile_pipeline(
         stage_params={s.index: sum(layout_numel[i] for i in s.param_inputs)
                       for s in split.stages},
         stage_param_bytes={s.index: sum(layout_bytes[i] for i in s.param_inputs)
-                           for s in split.stages})
+                           for s in split.stages},
+        position_params=position_params,
+        stage_param_names={s.index: tuple(_param_name(example_inputs[i])
+                                          for i in s.param_inputs) for s in split.stages})
     grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad))
     return PipelinedStep(executor, grad_inputs, loss_output)
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from zeroc.explain import ADAM_STATES
 from zeroc.passes.split_stages import FLOPS_PER_BYTE
+from zeroc.runtime.mesh import dp_ranks_of
 from zeroc.runtime.plan import Plan
-from zeroc.runtime.records import PipelineInfo, StageInfo
+from zeroc.runtime.records import MemoryEstimate, PipelineInfo, StageInfo
 from zeroc.runtime.schedule_grid import render_grid
 from zeroc.runtime.simulate import ActionCosts, simulate
 
@@ -136,12 +138,50 @@ def pipeline_info(record: Any) -> PipelineInfo:
     )
 
 
+def _moved_per_step(plan: Plan, microbatches: int) -> int:
+    """This rank's collective bytes per step: the step's ZeRO buckets once, collectives inside
+    stage graphs once per micro-batch (``pp_reshard``), the optimizer step's once."""
+    once = sum(c.bytes for c in plan.collectives
+               if c.graph.endswith(".step") or c.graph == "optimizer.step")
+    per_microbatch = sum(c.bytes for c in plan.collectives
+                         if not (c.graph.endswith(".step") or c.graph == "optimizer.step"))
+    return once + microbatches * per_microbatch
+
+
+def _memory_per_rank(plan: Plan, record: Any, info: PipelineInfo) -> tuple[MemoryEstimate, ...]:
+    """One row per global rank: the parameters, gradients and optimizer state of the stages
+    its pipeline position holds, its peak activations, and the bytes it moves (measured from
+    this rank's collectives, scaled by parameter bytes for the other positions)."""
+    layout = record.layout
+    if not record.position_params:
+        return plan.memory
+    mesh = layout.mesh
+    own = layout.held_bytes(ADAM_STATES, names=record.position_params[mesh.pp_index])
+    moved = _moved_per_step(plan, info.num_microbatches)
+    rows = []
+    for position in range(layout.pp):
+        for dp_index, rank in enumerate(dp_ranks_of(position, layout.pp, layout.dp)):
+            held = layout.held_bytes(ADAM_STATES, names=record.position_params[position],
+                                     dp_index=dp_index)
+            activations = info.peak_activation_bytes[position]
+            rows.append(MemoryEstimate(
+                rank=rank, params=held[0], grads=held[1], optimizer=held[2],
+                activations=activations, peak=sum(held) + activations,
+                moved=moved if position == mesh.pp_index else
+                round(moved * held[0] / own[0]) if own[0] else 0))
+    return tuple(rows)
+
+
 def pipeline_plan(plan: Plan, record: Any) -> Plan:
-    """``plan`` with one stage row per pipeline stage and the pipeline section."""
+    """``plan`` with one stage row per pipeline stage, the pipeline section and a memory row
+    per rank."""
     stages = tuple(
         StageInfo(index=s.index, modules=s.units, params=record.stage_params[s.index],
                   param_bytes=record.stage_param_bytes[s.index], flops=s.flops,
-                  activation_bytes=s.activation_bytes)
+                  activation_bytes=s.activation_bytes,
+                  param_names=record.stage_param_names.get(s.index, ()))
         for s in record.split.stages)
     meta = dataclasses.replace(plan.meta, schedule=record.schedule.name)
-    return dataclasses.replace(plan, meta=meta, stages=stages, pipeline=pipeline_info(record))
+    info = pipeline_info(record)
+    return dataclasses.replace(plan, meta=meta, stages=stages, pipeline=info,
+                               memory=_memory_per_rank(plan, record, info))

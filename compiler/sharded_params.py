@@ -82,6 +82,8 @@ class ShardedParam:
     # Gradient accumulation without synchronisation: a zero-stride leaf of the full shape
     # added to the gathered weight, so its ``.grad`` sums the unreduced full gradients.
     sink: torch.Tensor | None = None
+    # False once a pipeline gave the parameter to other ranks' stages (``zeroc.stage_holding``).
+    held: bool = True
 
     def open_sink(self) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
@@ -197,10 +199,35 @@ def _property(name: str) -> property:
 _SUBCLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
+class _SaveSettings(threading.local):
+    include_released = False  # True inside ``zeroc.stage_holding.all_parameters``
+
+
+SAVE_SETTINGS = _SaveSettings()
+
+
+def _saver(cls: type, names: tuple[str, ...]):
+    """``_save_to_state_dict`` that leaves out parameters released to other pipeline ranks
+    (``zeroc.stage_holding``): the ranks holding them save them."""
+    def save(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
+        released = {n for n in names if not self.__dict__[SHARD_PREFIX + n].held}
+        if not released or SAVE_SETTINGS.include_released:
+            return cls._save_to_state_dict(self, destination, prefix, keep_vars)
+        params = self.__dict__["_parameters"]
+        self.__dict__["_parameters"] = {k: v for k, v in params.items() if k not in released}
+        try:
+            return cls._save_to_state_dict(self, destination, prefix, keep_vars)
+        finally:
+            self.__dict__["_parameters"] = params
+
+    return save
+
+
 def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     key = (cls, names)
     if key not in _SUBCLASSES:
         attrs = {n: _property(n) for n in names}
+        attrs["_save_to_state_dict"] = _saver(cls, names)
         attrs["__module__"] = cls.__module__
         _SUBCLASSES[key] = type(cls.__name__, (cls,), attrs)
     return _SUBCLASSES[key]

@@ -15,10 +15,10 @@ soon as it is complete. It is collective: all ranks must call it.
 collective too, and it checks keys and shapes first (on rank 0 when only rank 0 has the dict;
 the verdict is shared so every rank raises the same ``ValueError``).
 
-With ``pp > 1`` every pipeline position holds the same parameter set, but only the positions
-running a parameter's stage update it: each parameter is taken from the first such position
-(recorded on the parameter when the pipeline compiles), so the dict holds every stage's
-current values.
+With ``pp > 1`` a pipeline position holds only its stages' parameters once the pipeline has
+compiled (``zeroc.stage_holding``): each parameter is taken from the first position that holds
+it (recorded on the parameter when the pipeline compiles), and loading writes only the
+parameters a rank holds.
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ from zeroc.parallelize import layout_of
 from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
 from zeroc.runtime.zero_ops import shard_of
 from zeroc.sharded_params import ShardedParam, sharded_of
+from zeroc.stage_holding import all_parameters
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
+
+
+def _every_value(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict(keep_vars=True)`` with the parameters other pipeline ranks hold."""
+    with all_parameters(model):
+        return model.state_dict(keep_vars=True)
 
 
 def _world_and_rank() -> tuple[int, int]:
@@ -66,7 +73,7 @@ def full_state_dict(model: nn.Module, cpu_offload: bool = False) -> dict[str, to
     gathered: dict[int, torch.Tensor | None] = {}
     result: dict[str, torch.Tensor] = {}
     sources = _pipeline_sources(model) if layout is not None and layout.pp > 1 else {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in _every_value(model).items():
         sharded = sharded_of(value)
         source = sources.get(key, 0)
         if sharded is None:
@@ -115,7 +122,7 @@ def _pipeline_sources(model: nn.Module) -> dict[str, int]:
     """
     layout = layout_of(model)
     sources = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in _every_value(model).items():
         sharded = sharded_of(value)
         position = getattr(sharded.flat if sharded else value, PP_SOURCE_ATTR, None)
         if position is not None:
@@ -129,7 +136,7 @@ def _expected(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, t
     records = layout.by_name() if layout is not None else {}
     shapes: dict[str, tuple[int, ...]] = {}
     names: dict[str, tuple[str, ...]] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in _every_value(model).items():
         record = records.get(key)
         shapes[key] = record.shape if record is not None else tuple(value.shape)
         aliases = record.names if record is not None else ()
@@ -207,7 +214,7 @@ def load_full_state_dict(
     """
     layout = layout_of(model)
     shapes, names = _expected(model)
-    targets = model.state_dict(keep_vars=True)
+    targets = _every_value(model)
     device = next((_device_of(t) for t in targets.values()), torch.device("cpu"))
     everywhere = _agree_on_source(state_dict, shapes, names, device)
     _, rank = _world_and_rank()
@@ -225,7 +232,9 @@ def load_full_state_dict(
                 full = torch.empty(shapes[key], dtype=storage.dtype, device=storage.device)
             if not everywhere:
                 dist.broadcast(full, src=0)
-            if sharded is None:
+            if sharded is not None and not sharded.held:
+                pass  # held by another pipeline position, which loads it
+            elif sharded is None:
                 target.copy_(full)
             elif sharded.record.op_stage == 0:
                 storage.copy_(full.reshape(-1))

@@ -90,6 +90,8 @@ class StageInfo:
     param_bytes: int
     flops: int
     activation_bytes: int
+    # The parameters the stage reads (pipelines; a tied parameter under its first name).
+    param_names: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Container
 
 import torch
 import torch.distributed as dist
@@ -348,22 +349,29 @@ class ZeroLayout:
         """Every state-dict name of every parameter (tied aliases included) -> its record."""
         return {name: record for record in self.params for name in record.names}
 
-    def held_bytes(self, optimizer_states: int = 2) -> tuple[int, int, int]:
-        """Bytes this rank holds between steps: (parameters, gradients, optimizer state).
+    def held_bytes(self, optimizer_states: int = 2, names: Container[str] | None = None,
+                   dp_index: int | None = None) -> tuple[int, int, int]:
+        """Bytes a rank holds between steps: (parameters, gradients, optimizer state).
 
         Parameters: the flat buffers (stages 0 and 1: whole; 2 and 3: this rank's padded rows).
         Gradients (after the backward, until ``zero_grad``): whole at stages 0 and 1, this
         rank's rows at 2 and 3. Optimizer state: ``optimizer_states`` tensors (Adam: 2) of
-        this rank's rows (stage 0: whole). Frozen parameters have neither.
+        this rank's rows (stage 0: whole). Frozen parameters have neither. ``names``: only
+        the parameters of these names (a pipeline rank's own stages); ``dp_index``: the rows
+        of that data-parallel index instead of this rank's.
         """
         params = grads = optimizer = 0
         for record in self.params:
+            if names is not None and record.param_name not in names:
+                continue
             itemsize = getattr(torch, record.dtype).itemsize
             params += record.shard_numel * itemsize
             if not record.requires_grad:
                 continue
             whole = record.numel
-            local = record.local_rows * (record.numel // record.shape[0]) if (
+            rows = record.local_rows if dp_index is None or not record.sharded else (
+                local_rows_for(record.shape, self.dp, dp_index))
+            local = rows * (record.numel // record.shape[0]) if (
                 record.sharded and record.shape and record.shape[0]) else whole
             grads += (whole if record.op_stage == 0 else local) * itemsize
             optimizer += optimizer_states * local * itemsize
