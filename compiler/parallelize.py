@@ -26,6 +26,10 @@ by ``init_fn(module)``, the model's own per-module initializer or the module's
 ``reset_parameters()`` (see ``zeroc.meta_init``); the full tensor is then cut and only this
 rank's rows are kept, so a rank never holds the whole model. On every path each parameter is
 broadcast from the first rank of its data-parallel group, so all replicas start identical.
+With ``pp > 1`` a meta model keeps no parameter at all here: its values are computed again
+when the pipeline compiles, for this rank's stages only (``zeroc.deferred_init``); and every
+pipeline rank, meta or not, frees the parameters of other ranks' stages then
+(``zeroc.stage_holding``).
 
 ``mixed_precision``: ``zeroc.MixedPrecision(param_dtype=..., reduce_dtype=..., output_dtype=...)``
 as FSDP2's ``MixedPrecisionPolicy``, or ``"bf16"`` for ``MixedPrecision(param_dtype=bfloat16)``.
@@ -45,6 +49,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
 
+from zeroc.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.meta_init import check_meta_initializable, materialize_direct
 from zeroc.runtime.mesh import Mesh, build_mesh
 from zeroc.runtime.zero_ops import (
@@ -190,6 +195,9 @@ def parallelize(
     entries: dict[int, tuple[nn.Parameter, ShardedParam, list[tuple[nn.Module, str]],
                              list[str]]] = {}
     modules: dict[nn.Module, list[str]] = {}
+    # A meta model in a pipeline keeps no parameter until the split is known.
+    deferred = (DeferredInit.capture(model, device, mesh_, init_fn)
+                if mesh_.pp > 1 and has_meta_parameters(model) else None)
     for path, module in list(model.named_modules()):
         fresh = materialize_direct(model, module, device, entries, init_fn)
         for local, param in list(module._parameters.items()):
@@ -197,8 +205,13 @@ def parallelize(
                 continue
             if id(param) not in entries:
                 # Sharded at once: the full tensor is freed before the next module's.
-                full = _broadcast_from_dp_root(fresh.pop(local, param), mesh_)
-                entries[id(param)] = (param, _shard(param, full, zero, mesh_, policy), [], [])
+                full = fresh.pop(local, param)
+                if deferred is None or not param.is_meta:
+                    full = _broadcast_from_dp_root(full, mesh_)
+                sharded = _shard(param, full, zero, mesh_, policy)
+                if deferred is not None and param.is_meta:
+                    deferred.defer(sharded)
+                entries[id(param)] = (param, sharded, [], [])
             entries[id(param)][2].append((module, local))
             entries[id(param)][3].append(_join(path, local))
             modules.setdefault(module, []).append(local)
@@ -215,7 +228,7 @@ def parallelize(
     if mesh_.pp > 1:
         ignore_model_logging()
         model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
-        install_state_dict_hooks(model)  # a rank saves only the stages it holds
+        install_state_dict_hooks(model, deferred)  # a rank saves only the stages it holds
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)
     if policy is not None and policy.output_dtype is not None:

@@ -84,6 +84,8 @@ class ShardedParam:
     sink: torch.Tensor | None = None
     # False once a pipeline gave the parameter to other ranks' stages (``zeroc.stage_holding``).
     held: bool = True
+    # A meta model's ``zeroc.deferred_init.DeferredInit`` while the values are not computed.
+    deferred: Any = None
 
     def open_sink(self) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""

@@ -17,6 +17,9 @@ A released parameter:
   DCP's save over all ranks still writes the whole model), and ``load_state_dict`` does not
   report it missing.
 
+A meta-device model's parameters are *deferred* from the start (``zeroc.deferred_init``): a
+rank initializes only those its stages need, when the pipeline compiles.
+
 Invariant: a parameter read by no stage at all stays held at pipeline position 0, so a
 checkpoint still contains it. Once released a parameter cannot come back: a later pipeline of
 the same model that needs it (another ``split_points`` or ``schedule``) raises.
@@ -47,7 +50,8 @@ def sharded_of_flat(flat: Any) -> ShardedParam | None:
     return getattr(flat, FLAT_SHARDED_ATTR, None) if isinstance(flat, nn.Parameter) else None
 
 
-def _release(sharded: ShardedParam) -> None:
+def release(sharded: ShardedParam) -> None:
+    """Free ``sharded``'s storage; its visible parameter becomes a meta (or empty) tensor."""
     visible = sharded.visible
     with torch.no_grad():
         if sharded.placement == "plain":
@@ -65,6 +69,10 @@ def keep_only(flats: Iterable[nn.Parameter], needed: Iterable[nn.Parameter]) -> 
     Raises if a buffer in ``needed`` was released by an earlier pipeline of the model."""
     needed = list(needed)
     keep = {id(f) for f in needed}
+    waiting = [s for f in needed if (s := sharded_of_flat(f)) is not None and not s.held
+               and s.deferred is not None]
+    for init in {id(s.deferred): s.deferred for s in waiting}.values():
+        init.materialize(waiting)  # a meta model: only these are ever initialized here
     lost = [s.record.param_name for f in needed
             if (s := sharded_of_flat(f)) is not None and not s.held]
     if lost:
@@ -76,10 +84,14 @@ def keep_only(flats: Iterable[nn.Parameter], needed: Iterable[nn.Parameter]) -> 
     freed = 0
     for flat in flats:
         sharded = sharded_of_flat(flat)
-        if sharded is None or id(flat) in keep or not sharded.held:
+        if sharded is None or id(flat) in keep:
+            continue
+        if sharded.deferred is not None:  # never initialized here: other ranks hold it
+            sharded.deferred.forget(sharded)
+        if not sharded.held:
             continue
         freed += flat.untyped_storage().nbytes()
-        _release(sharded)
+        release(sharded)
     if freed:
         log.info("pipeline: released %.1f MiB of parameters held by other stages",
                  freed / 2**20)
@@ -100,10 +112,17 @@ def _not_missing(module: nn.Module, incompatible: Any) -> None:
     incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in released]
 
 
-def install_state_dict_hooks(model: nn.Module) -> None:
+def install_state_dict_hooks(model: nn.Module, deferred: Any = None) -> None:
     """Loading a state dict does not report released parameters missing (saving leaves them
-    out: ``zeroc.sharded_params``' module subclasses skip them)."""
+    out: ``zeroc.sharded_params``' module subclasses skip them). ``deferred``: a meta
+    model's ``DeferredInit``; a state dict taken or loaded before the pipeline compiled
+    initializes every parameter first, so a checkpoint never meets a missing tensor."""
     model.register_load_state_dict_post_hook(_not_missing)
+    if deferred is not None:
+        model.register_state_dict_pre_hook(
+            lambda module, prefix, keep_vars: deferred.materialize_all("state_dict()"))
+        model.register_load_state_dict_pre_hook(
+            lambda module, *args: deferred.materialize_all("load_state_dict()"))
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@
 ``zeroc.parallelize`` materializes one module at a time with the model's own initializer
 (``_init_weights``) and keeps only this rank's rows: the full state equals the same model built
 on the CPU under the same seed, the model trains compiled, and a rank's peak RSS during
-``parallelize`` stays well below the model's full bytes.
+``parallelize`` stays well below the model's full bytes. At pp=2 a meta Llama holds no parameter
+bytes until the pipeline compiles; then each rank initializes only its stages' parameters, to
+the CPU build's values.
 """
 
 from __future__ import annotations
@@ -98,3 +100,42 @@ def test_each_rank_materializes_only_its_shards(meta_ranks) -> None:
               f"{result['full_bytes'] / 2**20:.0f} MiB")
         # Half the model (this rank's rows) plus one module's full tensors at a time.
         assert result["rss_growth"] < 0.8 * result["full_bytes"], result
+
+
+def pipeline_meta_job(rank: int, world: int) -> dict:
+    """A meta Llama at pp=2: no parameter bytes until the pipeline compiles, then only this
+    rank's stages, initialized to the values a CPU build under the same seed has."""
+    import zeroc
+
+    torch._dynamo.reset()
+    model = zeroc.parallelize(_built("llama", meta=True), zero=3, pp=2)
+    state = model._zeroc_state
+    before = sum(s.flat.untyped_storage().nbytes() for s in state.params)
+    compiled = torch.compile(model, backend="zeroc", options={"schedule": "1f1b",
+                                                              "microbatches": 2})
+    tokens = torch.arange(32).view(4, 8) % 96
+    loss = compiled(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    held = [s.record.param_name for s in state.params if s.held]
+    after = sum(s.flat.untyped_storage().nbytes() for s in state.params)
+    return {"before": before, "after": after, "loss": loss.item(), "held": held,
+            "full_bytes": sum(s.flat.numel() * 4 for s in state.params),
+            "full": zeroc.full_state_dict(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_meta_llama_in_a_pipeline_initializes_only_its_stages() -> None:
+    results = run_ranks(pipeline_meta_job, 2, timeout=400)
+    reference = _built("llama", meta=False)
+    tokens = torch.arange(32).view(4, 8) % 96
+    want = reference(input_ids=tokens, labels=tokens).loss.item()
+    for result in results:
+        assert result["before"] == 0, result["before"]
+        assert 0 < result["after"] < 0.75 * result["full_bytes"], result
+        assert abs(result["loss"] - want) < 1e-5, (result["loss"], want)
+    assert set(results[0]["held"]) | set(results[1]["held"]) == set(
+        dict(reference.named_parameters()))
+    assert not set(results[0]["held"]) & set(results[1]["held"]) - {"model.embed_tokens.weight"}
+    for key, value in reference.state_dict().items():
+        assert torch.equal(results[0]["full"][key], value), key

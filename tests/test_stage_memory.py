@@ -4,7 +4,9 @@ After one training step the bytes a rank really holds (flat parameter storages, 
 AdamW state, counted by storage) equal 16 bytes x the parameters of its own stages / dp,
 with the stages' parameters found independently from the plan's module names, and the
 plan's memory table shows that figure for every rank. Cases: pp=2 dualpipev (2 ranks), pp=4
-1f1b (4 ranks) and pp=2 x dp=2 with ZeRO-3 on a model built on the meta device. The tied
+1f1b (4 ranks) and pp=2 x dp=2 with ZeRO-3 on a model built on the meta device, which holds no
+parameter bytes at all between ``parallelize`` and the first step and then initializes only
+its stages' parameters, to the values a pp=1 parallelize gives. The tied
 embedding and head (first and last stage) keep equal values and eager's gradients; DCP saves
 the whole model from the ranks that hold each part and loads it back.
 """
@@ -65,13 +67,21 @@ def _expected_bytes(plan, position: int, dp: int) -> int:
 def memory_job(rank: int, world: int, pp: int, schedule: str, meta: bool,
                directory: str) -> dict:
     torch._dynamo.reset()
+    initial = None
     if meta:  # initialized module by module (reset_parameters), not by the GPT's own init
+        torch.manual_seed(1234)
+        with torch.device("meta"):
+            reference = make_gpt()
+        # pp=1 materializes every parameter: eager starts from these values.
+        initial = zeroc.full_state_dict(zeroc.parallelize(reference, zero=3))
+        torch.manual_seed(1234)
         with torch.device("meta"):
             model = make_gpt()
     else:
         model = make_gpt()
     model = zeroc.parallelize(model, zero=3, pp=pp)
-    initial = zeroc.full_state_dict(model) if meta else None  # eager starts from these
+    # A meta model keeps nothing until the pipeline knows this rank's stages.
+    before = sum(s.flat.untyped_storage().nbytes() for s in model._zeroc_state.params)
     compiled = torch.compile(model, backend="zeroc", options={
         "schedule": schedule, "microbatches": 4})
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
@@ -96,7 +106,7 @@ def memory_job(rank: int, world: int, pp: int, schedule: str, meta: bool,
            "ranks_in_plan": sorted(m.rank for m in plan.memory), "losses": losses,
            "units": [s.modules for s in plan.stages],
            "full": zeroc.full_state_dict(model), "keys": sorted(model.state_dict()),
-           "initial": initial}
+           "initial": initial, "before": before}
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -124,6 +134,8 @@ def _check(results: list[dict], pp: int) -> None:
         assert out["planned"] == out["expected"], (rank, out["planned"], out["expected"])
         assert out["held"] < out["whole"] * (0.5 if pp == 4 else 0.85), (rank, out)
         assert out["ranks_in_plan"] == list(range(len(results)))
+        if out["initial"] is not None or rank and results[0]["initial"] is not None:
+            assert out["before"] == 0, (rank, out["before"])
     for step, want in enumerate(eager_losses):  # each dp rank's loss is its rows' mean
         got = sum(out["losses"][step] for out in results) / len(results)
         assert abs(got - want) < 1e-5, (step, got, want)
