@@ -66,6 +66,7 @@ class Setup:
     steps: int
     warmup: int
     cache_dir: str
+    zeroc_options: tuple[tuple[str, Any], ...] = ()  # extra compile options (--zeroc-options)
 
 
 def untied_gpt(config: GPTConfig) -> GPT:
@@ -147,7 +148,7 @@ def build_zeroc(schedule: str, setup: Setup, world: int):
     per = setup.model.n_layer // stages
     options = {"schedule": schedule, "microbatches": setup.microbatches,
                "split_points": [f"layers.{s * per}" for s in range(1, stages)],
-               "cache_dir": setup.cache_dir}
+               "cache_dir": setup.cache_dir, **dict(setup.zeroc_options)}
     compiled = torch.compile(model, backend="zeroc", options=options)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -186,14 +187,16 @@ def add_action_times(totals: dict[str, float], compiled: Any, rank: int, step_s:
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's parameters, gradients and optimizer state (after a step, before
-    ``zero_grad``); a DTensor counts its local shard."""
+    ``zero_grad``); a DTensor counts its local shard, a released parameter (held by another
+    pipeline rank: meta or empty) nothing."""
     total = 0
     for param in model.parameters():
         tensors = [param, param.grad, *optimizer.state.get(param, {}).values()]
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
                 part = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                total += part.numel() * part.element_size()
+                if not part.is_meta:  # a parameter another pipeline rank holds
+                    total += part.numel() * part.element_size()
     return total
 
 
@@ -394,6 +397,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(name, type=int, default=default)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--zeroc-options", default="{}", metavar="JSON",
+                        help='extra zeroc compile options, e.g. \'{"partitioner": "default"}\'')
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error(f"--steps={args.steps}, --warmup={args.warmup} and --repeats="
@@ -418,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        n_head=args.n_head, d_model=args.d_model)
     setup = Setup(model=config, batch=args.batch, microbatches=args.microbatches,
                   steps=args.steps, warmup=args.warmup,
-                  cache_dir=tempfile.mkdtemp(prefix="zeroc-bench-"))
+                  cache_dir=tempfile.mkdtemp(prefix="zeroc-bench-"),
+                  zeroc_options=tuple(sorted(json.loads(args.zeroc_options).items())))
     n_params = sum(p.numel() for p in untied_gpt(config).parameters())
     load_before = os.getloadavg()
     print(f"GPT {config} untied ({n_params / 1e6:.2f}M parameters), {args.world} gloo ranks, "
