@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroc.runtime.cost import ADAM_STATES
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan import PLAN_FORMAT, Plan, PlanMeta
 from zeroc.runtime.records import CollectiveInfo, MemoryEstimate, ParamInfo, StageInfo
@@ -15,7 +16,6 @@ from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import SESSION_ATTR, CompileSession, wrapper_of
 
 # Adam keeps two fp32 moments per parameter element.
-ADAM_STATES = 2
 
 
 def _versions() -> tuple[str, str, str]:
@@ -34,12 +34,27 @@ def _versions() -> tuple[str, str, str]:
     return zeroc_version, torch.__version__, triton_version
 
 
-def explain(compiled: Any) -> Plan:
+def explain(compiled: Any, example_inputs: Any = None, *, world: int | None = None,
+            pp: int = 1, zero: int = 3, device: str = "cuda", hardware: Any = None,
+            options: dict | None = None, mixed_precision: Any = None) -> Plan:
     """Return the Plan of what zeroc compiled for ``compiled``.
 
     ``compiled`` is what ``torch.compile(..., backend="zeroc")`` returned. Compilation is
     lazy: call it once before asking for its plan.
+
+    With ``world=W``, plan a job that is not there instead: ``compiled`` is then the model
+    (on the meta device or not; it is not changed) and ``example_inputs`` its inputs (a tuple,
+    or a dict of keyword inputs); every pipeline position of a W-rank job with ``pp``
+    positions and ZeRO stage ``zero`` runs one fake training step on ``device`` in this
+    process (``zeroc.world_plan``). ``hardware``: a profile name or dict
+    (``zeroc.runtime.hardware``); ``options``: zeroc's compile options.
     """
+    if world is not None:
+        from zeroc.world_plan import plan_world
+
+        return plan_world(compiled, example_inputs, world=world, pp=pp, zero=zero,
+                          device=device, hardware=hardware, options=options,
+                          mixed_precision=mixed_precision)
     wrapper = wrapper_of(compiled)
     if wrapper is None:
         raise ValueError(

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroc.explain import ADAM_STATES
 from zeroc.passes.split_stages import FLOPS_PER_BYTE
+from zeroc.runtime.cost import ADAM_STATES
 from zeroc.runtime.mesh import dp_ranks_of
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.records import MemoryEstimate, PipelineInfo, StageInfo
@@ -135,6 +135,9 @@ def pipeline_info(record: Any) -> PipelineInfo:
         peak_activation_bytes=tuple(peak_bytes),
         event_labels=labels,
         event_times=times,
+        stage_costs=stage_costs,
+        grid_time_unit=unit,
+        grid_legend=legend,
     )
 
 

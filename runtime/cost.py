@@ -24,6 +24,9 @@ from torch.utils.flop_counter import flop_registry
 from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP, collective_bytes
 from zeroc.runtime.records import GraphInfo, NodeCost
 
+# Adam and AdamW keep two state tensors (exp_avg, exp_avg_sq) per parameter.
+ADAM_STATES = 2
+
 aten = torch.ops.aten
 
 # Ops that return a view of (or share storage with) an input: no bytes move.

@@ -4,6 +4,7 @@ A Plan holds the meta data (versions, world, options, graph hash), the compiled 
 their costs, the stages, the parameters, the kernels, the collectives, the memory estimate per
 rank and every pass's graph before and after. ``str(plan)`` prints tables; ``to_json`` and
 ``Plan.from_json`` round-trip exactly (``Plan.from_json(p.to_json()) == p``).
+``plan.schedule_grid(ranks, width)`` draws a pipeline's schedule grid for chosen ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 from zeroc.runtime.records import (
@@ -96,6 +98,20 @@ class Plan:
             raise ValueError("plan.chrome_trace: this plan has no pipeline (compile a model "
                              "parallelized with pp > 1 and run one step first)")
         return write_chrome_trace(self.pipeline, path)
+
+    def schedule_grid(self, ranks: Sequence[int] | None = None, width: int | None = None) -> str:
+        """The pipeline's schedule grid, drawn for ``ranks`` and wrapped at ``width``.
+
+        ``ranks`` defaults to all of up to 8 ranks, else the first two, the middle one and the
+        last two (as in ``str(plan)``); ``width`` to the terminal's width (100 without one), at
+        least 60. Raises ``ValueError`` when the plan has no pipeline.
+        """
+        from zeroc.runtime.schedule_grid import pipeline_grid
+
+        if self.pipeline is None:
+            raise ValueError("plan.schedule_grid: this plan has no pipeline (compile a model "
+                             "parallelized with pp > 1 first)")
+        return pipeline_grid(self.pipeline, ranks, width)
 
     def __str__(self) -> str:
         from zeroc.runtime.plan_text import render_plan

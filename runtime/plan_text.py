@@ -1,16 +1,67 @@
-"""``str(plan)``: the plan as tables a person can read (tabulate)."""
+"""``str(plan)``: the plan as tables a person can read (tabulate).
+
+Per-rank tables (estimated memory, the pipeline's ranks) show consecutive rows whose figures
+are all the same as one row, labelled with its ranks in compact form (``0-7``, ``0,2``,
+``0-3,8-11``), so a plan for hundreds of ranks stays a few rows long; a line under such a
+table says so.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from tabulate import tabulate
 
 if TYPE_CHECKING:
     from zeroc.runtime.plan import Plan
-    from zeroc.runtime.records import PipelineInfo
+    from zeroc.runtime.records import MemoryEstimate, PipelineInfo
 
 MAX_ROWS = 16
+GROUPED_NOTE = ("  rows are grouped when identical: consecutive ranks with the same figures share "
+                "one row\n  (0-7: ranks 0 to 7; 0,2: ranks 0 and 2)")
+
+Row = TypeVar("Row")
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """A set of ranks in compact form: runs as ``a-b``, joined by ``,`` (``0-3,8,10-11``)."""
+    ordered = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for rank in ordered:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def group_identical(rows: Iterable[tuple[int, Row]]) -> list[tuple[tuple[int, ...], Row]]:
+    """``(rank, row)`` pairs with consecutive equal rows merged into ``(ranks, row)``."""
+    groups: list[tuple[list[int], Row]] = []
+    for rank, row in rows:
+        if groups and groups[-1][1] == row:
+            groups[-1][0].append(rank)
+        else:
+            groups.append(([rank], row))
+    return [(tuple(ranks), row) for ranks, row in groups]
+
+
+def memory_groups(
+    memory: Sequence[MemoryEstimate],
+) -> list[tuple[tuple[int, ...], MemoryEstimate]]:
+    """Consecutive estimates equal in every field but ``rank``, as (ranks, first estimate)."""
+    def figures(m: MemoryEstimate) -> tuple[object, ...]:
+        return tuple(getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "rank")
+
+    groups = group_identical((i, figures(m)) for i, m in enumerate(memory))
+    return [(tuple(memory[i].rank for i in rows), memory[rows[0]]) for rows, _ in groups]
+
+
+def rank_label(ranks: Sequence[int]) -> int | str:
+    """A table's rank cell: the rank itself, or the group in compact form."""
+    return ranks[0] if len(ranks) == 1 else format_ranks(ranks)
 
 
 def human_bytes(n: int) -> str:
@@ -103,11 +154,13 @@ def render_plan(plan: Plan) -> str:
     if plan.pipeline is not None:
         out.append(render_pipeline(plan.pipeline))
         out.append("")
+    memory = memory_groups(plan.memory)
     out.append(_section(
         "estimated memory per rank",
-        [[m.rank, human_bytes(m.params), human_bytes(m.grads), human_bytes(m.optimizer),
-          human_bytes(m.params + m.grads + m.optimizer), human_bytes(m.activations),
-          human_bytes(m.peak), human_bytes(m.moved)] for m in plan.memory],
+        [[rank_label(ranks), human_bytes(m.params), human_bytes(m.grads),
+          human_bytes(m.optimizer), human_bytes(m.params + m.grads + m.optimizer),
+          human_bytes(m.activations), human_bytes(m.peak), human_bytes(m.moved)]
+         for ranks, m in memory],
         ["rank", "params", "grads", "optimizer (Adam)", "at rest", "activations", "peak",
          "moved per step"],
         "none",
@@ -115,6 +168,8 @@ def render_plan(plan: Plan) -> str:
     out.append("  at rest = params + grads + optimizer state held between steps; peak = at rest +"
                " activations (estimated);\n  moved per step = collective bytes per training step"
                " (all-gather / reduce-scatter of X bytes: X, all-reduce: 2X)")
+    if len(memory) < len(plan.memory):
+        out.append(GROUPED_NOTE)
     out.append("")
     out.append(_section(
         "passes",
@@ -140,10 +195,15 @@ def render_pipeline(info: PipelineInfo) -> str:
                     if info.measured_bubble_ratios else "-")
         wait = (f"{info.measured_p2p_wait_ms[rank]:.1f}" if info.measured_p2p_wait_ms
                 else "-")
-        rows.append([rank, stages, f"{100 * info.bubble_ratios[rank]:.1f}%", measured, wait,
-                     info.peak_activations[rank], human_bytes(info.peak_activation_bytes[rank])])
-    table = tabulate(rows, headers=["rank", "stages", "bubble (model)", "bubble (measured)",
-                                    "p2p wait (ms, measured)",
-                                    "peak activations (micro-batches)", "peak activation memory"])
+        rows.append((rank, (stages, f"{100 * info.bubble_ratios[rank]:.1f}%", measured, wait,
+                            info.peak_activations[rank],
+                            human_bytes(info.peak_activation_bytes[rank]))))
+    groups = group_identical(rows)
+    table = tabulate([[rank_label(ranks), *row] for ranks, row in groups],
+                     headers=["rank", "stages", "bubble (model)", "bubble (measured)",
+                              "p2p wait (ms, measured)", "peak activations (micro-batches)",
+                              "peak activation memory"])
+    if len(groups) < len(rows):
+        table += "\n" + GROUPED_NOTE
     return (f"pipeline: schedule {info.schedule}, {info.num_ranks} ranks, {info.num_stages} "
             f"stages, {info.num_microbatches} micro-batches\n{info.grid}\n\n{table}")

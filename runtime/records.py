@@ -131,6 +131,9 @@ class PipelineInfo:
     ``peak_activations`` (micro-batches held) / ``peak_activation_bytes`` are per rank.
     ``event_labels``/``event_times`` are the last measured step: per rank, every action
     group's label and its (start, end) wall-clock seconds (empty before the first step).
+    ``stage_costs`` (one ``(F, B, W)`` per stage), ``grid_time_unit`` and ``grid_legend`` are
+    what ``grid`` was drawn with, so ``Plan.schedule_grid`` can draw it again for other ranks
+    or another width (empty / 0 in a plan made without them).
     """
 
     schedule: str
@@ -150,3 +153,7 @@ class PipelineInfo:
     measured_p2p_wait_ms: tuple[float, ...] = ()
     # Per rank and action group, seconds the group waited for receives before it started.
     event_waits: tuple[tuple[float, ...], ...] = ()
+    # The simulation behind ``grid``: per stage (F, B, W), one column's duration, the legend.
+    stage_costs: tuple[tuple[float, float, float], ...] = ()
+    grid_time_unit: float = 0.0
+    grid_legend: str = ""

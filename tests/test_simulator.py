@@ -124,7 +124,7 @@ def test_costs_validation():
 
 
 def test_grid_1f1b_golden():
-    text = render_grid(build_schedule("1f1b", 4, 6))
+    text = render_grid(build_schedule("1f1b", 4, 6), width=100)  # one band on any terminal
     grid = [row.split(" | ", 1) for row in text.splitlines()[1:5]]
     assert [label for label, _ in grid] == ["rank  0", "rank  1", "rank  2", "rank  3"]
     assert [cells for _, cells in grid] == [
@@ -140,7 +140,7 @@ def test_grid_1f1b_golden():
 
 def test_grid_dualpipe_marks_overlap_and_second_stage():
     schedule = build_schedule("dualpipe", 8, 20)
-    text = render_grid(schedule, simulate(schedule, README_COSTS))
+    text = render_grid(schedule, simulate(schedule, README_COSTS), width=1000)  # one band
     rows = text.splitlines()
     assert rows[1].startswith("rank  0 | F0 |F1 |F2 |F3 |F4 |F5 |F6 |f10|i10|w10|")
     assert "F7&b13     |            f14&B0     |" in rows[1]
@@ -153,7 +153,7 @@ def test_grid_dualpipe_marks_overlap_and_second_stage():
 
 def test_grid_time_unit_and_errors():
     schedule = build_schedule("zb1p", 2, 2)
-    halves = render_grid(schedule, time_unit=0.5)
+    halves = render_grid(schedule, time_unit=0.5, width=100)
     assert "one column = 0.5" in halves
     assert halves.splitlines()[1].startswith("rank  0 | F0 |F1 |")
     with pytest.raises(ValueError, match="time_unit must be > 0"):
