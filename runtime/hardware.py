@@ -1,0 +1,400 @@
+"""Hardware profiles: what a device can do, as data, and a measured profile of this CPU.
+
+A ``HardwareProfile`` holds the figures a cost estimate needs (peak dense FLOP/s by dtype,
+memory, links inside and between nodes, launch floor). The known devices are in
+``hardware_profiles.json`` beside this module; ``get_profile`` also takes a user's dict.
+``calibrate_cpu`` measures this machine, ``cpu_profile`` caches that. ``estimate_compute_s``
+is a roofline, ``estimate_collective_s`` the ring model. Sizes are decimal (a datasheet's
+"80GB" is 80e9 bytes, under the 80 GiB the device reports); link bandwidths are per direction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import json
+import logging
+import math
+import os
+import platform
+import re
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from zeroc.runtime.errors import OptionError
+
+log = logging.getLogger(__name__)
+
+# Sources of hardware_profiles.json (each profile's "source" field names its own). FLOP/s are
+# dense, without 2:4 structured sparsity (datasheets print both; the sparse one is twice);
+# NVLink figures count both directions, the profiles hold one (half).
+# - NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM": FP32 19.5 TFLOPS, TF32 156,
+#   BF16/FP16 312; HBM2e 80GB at 2,039 GB/s; NVLink 600 GB/s.
+#   https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+# - NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" (exact dense figures from the H100
+#   architecture whitepaper): FP32 66.9 TFLOPS, TF32 494.7, BF16/FP16 989.4; HBM3 80GB at
+#   3.35 TB/s; NVLink 900 GB/s. https://www.nvidia.com/en-us/data-center/h100/
+# - NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM": the compute of the H100 SXM; HBM3e
+#   141GB at 4.8 TB/s; NVLink 900 GB/s. https://www.nvidia.com/en-us/data-center/h200/
+# - Between nodes, one NIC per GPU as in NVIDIA DGX systems: ConnectX-7, 400 Gb/s NDR
+#   InfiniBand (50 GB/s) in DGX H100/H200; ConnectX-6, 200 Gb/s HDR (25 GB/s) in DGX A100.
+# - Latencies (about 3 us in a node, 5 us between nodes) and the 5 us launch floor are
+#   typical measured values, not datasheet figures.
+
+DEFAULT_CACHE_DIR = "~/.cache/zeroc"
+_DATA = "hardware_profiles.json"
+# Dtype names a profile may give FLOP/s for ("tf32": float32 matmuls on TF32 tensor cores).
+FLOPS_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8_e4m3fn",
+                "float8_e5m2", "int8")
+_DTYPE_ALIASES = {"fp64": "float64", "double": "float64", "fp32": "float32", "float": "float32",
+                  "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
+_FLOAT_FIELDS = ("memory_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s",
+                 "inter_node_bytes_per_s", "inter_node_latency_s", "launch_floor_s")
+_INT_FIELDS = ("memory_bytes", "devices_per_node")
+_PROFILES: dict[str, HardwareProfile] = {}  # filled from hardware_profiles.json below
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The name ``peak_flops`` uses for ``dtype``: ``torch.bfloat16``, ``"bf16"`` and
+    ``"torch.bfloat16"`` are all ``"bfloat16"``; ``"tf32"`` stays ``"tf32"``."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    name = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else ""
+    name = _DTYPE_ALIASES.get(name, name)
+    if name == "tf32" or isinstance(getattr(torch, name, None), torch.dtype):
+        return name
+    raise OptionError(f"unknown dtype {dtype!r}; expected a torch.dtype or one of "
+                      f"{', '.join(FLOPS_DTYPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """The figures of one kind of device. Bandwidths are bytes/s per direction;
+    ``inter_node_bytes_per_s`` is what one device gets to other nodes. ``peak_flops`` must give
+    ``"float32"``. Every field is checked: a bad one raises ``OptionError`` (a ``ValueError``)."""
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bytes_per_s: float
+    memory_bytes: int
+    intra_node_bytes_per_s: float
+    intra_node_latency_s: float
+    inter_node_bytes_per_s: float
+    inter_node_latency_s: float
+    devices_per_node: int
+    launch_floor_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        where = f"hardware profile {self.name!r}: key"
+        for key in ("name", "source"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
+                raise OptionError(f"{where} {key!r} = {getattr(self, key)!r} must be a "
+                                  "non-empty string")
+        peaks = self.peak_flops
+        if not isinstance(peaks, Mapping) or "float32" not in peaks:
+            raise OptionError(f"{where} 'peak_flops' = {peaks!r} must be a dict of FLOP/s by "
+                              f"dtype that gives 'float32'; dtypes: {', '.join(FLOPS_DTYPES)}")
+        for dtype, value in peaks.items():
+            if dtype not in FLOPS_DTYPES or not _number(value) or value <= 0:
+                raise OptionError(f"{where} 'peak_flops[{dtype!r}]' = {value!r}: the dtype must "
+                                  f"be one of {', '.join(FLOPS_DTYPES)} and the FLOP/s > 0")
+        object.__setattr__(self, "peak_flops", {k: float(v) for k, v in peaks.items()})
+        for key in _FLOAT_FIELDS + _INT_FIELDS:
+            value, integer = getattr(self, key), key in _INT_FIELDS
+            if not _number(value) or value <= 0 or (integer and int(value) != value):
+                kind = "integer" if integer else "number"
+                raise OptionError(f"{where} {key!r} = {value!r} must be a positive {kind}")
+            object.__setattr__(self, key, int(value) if integer else float(value))
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.source))
+
+    def flops_for(self, dtype: torch.dtype | str) -> float:
+        """Peak dense FLOP/s for ``dtype``; a dtype without a figure of its own (integers,
+        float64 on most profiles) gets the ``"float32"`` one. ``torch.float32`` means full
+        fp32: ask for ``"tf32"`` when TF32 matmuls are allowed."""
+        return self.peak_flops.get(dtype_name(dtype), self.peak_flops["float32"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as plain JSON values; ``from_dict`` of it gives an equal profile."""
+        data = dataclasses.asdict(self)
+        data["peak_flops"] = dict(self.peak_flops)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HardwareProfile:
+        """A profile from a dict of exactly its fields; an unknown or missing key or a bad
+        value raises ``OptionError`` (a ``ValueError``) naming the key and what is allowed."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, Mapping):
+            raise OptionError(f"a hardware profile must be a dict with keys {', '.join(fields)}; "
+                              f"got {type(data).__name__}")
+        for key in data:
+            if key not in fields:
+                raise OptionError(f"hardware profile: unknown key {key!r} = {data[key]!r}; "
+                                  f"allowed keys: {', '.join(fields)}")
+        missing = [k for k in fields if k not in data]
+        if missing:
+            raise OptionError(f"hardware profile: missing key(s) {', '.join(missing)}; give all "
+                              f"of {', '.join(fields)}, or 'base': one of {', '.join(_PROFILES)} "
+                              "and only the keys to change")
+        return cls(**{k: data[k] for k in fields})
+
+
+def _load_known() -> tuple[dict[str, HardwareProfile], tuple[tuple[re.Pattern[str], str], ...]]:
+    package = __name__.rpartition(".")[0]
+    data = json.loads(importlib.resources.files(package).joinpath(_DATA).read_text("utf-8"))
+    profiles = {entry["name"]: HardwareProfile.from_dict(entry) for entry in data["profiles"]}
+    if len(profiles) != len(data["profiles"]) or any(n != n.lower() for n in profiles):
+        raise ValueError(f"{_DATA}: profile names must be distinct and lower case")
+    patterns = tuple((re.compile(pattern), name) for pattern, name in data["device_names"])
+    if any(name not in profiles for _, name in patterns):
+        raise ValueError(f"{_DATA}: a device name maps to an unknown profile")
+    return profiles, patterns
+
+
+_PROFILES, _DEVICE_PATTERNS = _load_known()
+KNOWN_PROFILES: tuple[str, ...] = tuple(_PROFILES)
+
+
+def _known(name: str) -> HardwareProfile:
+    profile = _PROFILES.get(name.strip().lower()) if isinstance(name, str) else None
+    if profile is None:
+        raise OptionError(f"unknown hardware {name!r}; known: {', '.join(KNOWN_PROFILES)} "
+                          "(or give a dict of HardwareProfile fields)")
+    return profile
+
+
+def get_profile(hardware: str | Mapping[str, Any] | HardwareProfile) -> HardwareProfile:
+    """The profile ``hardware`` stands for: a name of ``KNOWN_PROFILES`` (any case); a dict of
+    every ``HardwareProfile`` field; a dict with ``"base": <known name>`` and only the fields
+    to change (``peak_flops`` entries are merged into the base's, ``name`` defaults to
+    ``<base>-custom``); or a profile, as is. A bad name, key or value raises ``OptionError``
+    (a ``ValueError``), anything else ``TypeError``."""
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    if isinstance(hardware, str):
+        return _known(hardware)
+    if not isinstance(hardware, Mapping):
+        raise TypeError(f"hardware must be a profile name, a dict or a HardwareProfile, got "
+                        f"{type(hardware).__name__}")
+    data = dict(hardware)
+    if "base" not in data:
+        return HardwareProfile.from_dict(data)
+    base = _known(data.pop("base"))
+    if not data:
+        return base
+    merged = base.to_dict()
+    if isinstance(data.get("peak_flops"), Mapping):
+        data["peak_flops"] = {**merged["peak_flops"], **data["peak_flops"]}
+    merged["name"] = f"{base.name}-custom"
+    merged["source"] = f"{base.source}; changed by the user: {', '.join(sorted(data))}"
+    merged.update(data)
+    return HardwareProfile.from_dict(merged)
+
+
+def profile_for_device_name(device_name: str) -> HardwareProfile | None:
+    """The known profile of a device named as ``torch.cuda.get_device_name()`` names it
+    (``"NVIDIA H200"`` -> ``h200``), or ``None`` when none fits (e.g. PCIe boards, whose
+    figures differ from the SXM ones)."""
+    found = (_PROFILES[n] for pattern, n in _DEVICE_PATTERNS if pattern.search(device_name.lower()))
+    return next(found, None)
+
+
+def _best_rate(run: Callable[[], object], work: float, end: float, min_batch_s: float) -> float:
+    """Best ``work`` per second of ``run`` over batches of at least ``min_batch_s`` (doubling
+    the batch until it is that long), started while the next batch should end by ``end``."""
+    best = fallback = 0.0
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        now = time.perf_counter()
+        elapsed = max(now - start, 1e-9)
+        if elapsed >= min_batch_s:
+            best = max(best, work * calls / elapsed)
+        else:
+            fallback = max(fallback, work * calls / elapsed)
+            calls, elapsed = calls * 2, elapsed * 2
+        if now + elapsed > end:
+            return best or fallback
+
+
+def _matmul_flops(end: float) -> float:
+    best, sizes = 0.0, (256, 512, 1024, 2048)
+    for index, n in enumerate(sizes):
+        if best and 3 * 2.0 * n**3 / best > end - time.perf_counter():
+            break  # three products of this size would not fit the time left
+        a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm-up: thread pool, packing buffers
+        slot = (end - time.perf_counter()) / (len(sizes) - index)
+        run = functools.partial(torch.mm, a, b, out=out)
+        stop = time.perf_counter() + slot
+        best = max(best, _best_rate(run, 2.0 * n**3, stop, min(0.02, slot / 4)))
+    return best
+
+
+def _copy_bandwidth(end: float) -> float:
+    budget = max(end - time.perf_counter(), 0.0)
+    nbytes = min(256 << 20 if budget >= 0.2 else 64 << 20, _memory_total_bytes() // 16)
+    src = torch.ones(max(nbytes // 4, 1 << 18))
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page of both before timing
+    run = functools.partial(dst.copy_, src)
+    return _best_rate(run, 2.0 * src.nbytes, end, min(0.02, budget / 8))
+
+
+def _launch_floor(end: float) -> float:
+    a, b, out = torch.ones(1), torch.ones(1), torch.empty(1)
+    run = functools.partial(torch.add, a, b, out=out)
+    run()
+    budget = max(end - time.perf_counter(), 0.0)
+    return 1.0 / _best_rate(run, 1.0, end, min(0.01, budget / 8 + 1e-4))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _memory_total_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as handle:
+            return next(int(ln.split()[1]) * 1024 for ln in handle if ln.startswith("MemTotal:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError) as exc:
+        raise RuntimeError("cannot read this machine's memory size") from exc
+
+
+def calibrate_cpu(seconds: float = 5.0) -> HardwareProfile:
+    """Measure this machine in about ``seconds``: the best sustained fp32 matmul FLOP/s over
+    a few square sizes, the bandwidth of a large tensor copy (bytes read plus written) and the
+    time of a tiny aten op (the launch floor). Links between "devices" are taken as memory:
+    both link bandwidths are the copy bandwidth, both latencies the launch floor."""
+    if not _number(seconds) or seconds <= 0:
+        raise OptionError(f"calibrate_cpu: seconds = {seconds!r} must be a positive number")
+    start = time.perf_counter()
+    flops = _matmul_flops(start + 0.5 * seconds)
+    bandwidth = _copy_bandwidth(start + 0.85 * seconds)
+    launch = _launch_floor(start + seconds)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\((r|tm|c)\)", "", _cpu_model().lower())).strip("-")
+    profile = HardwareProfile(
+        name=f"cpu-{slug or 'unknown'}", peak_flops={"float32": flops},
+        memory_bytes_per_s=bandwidth, memory_bytes=_memory_total_bytes(),
+        intra_node_bytes_per_s=bandwidth, intra_node_latency_s=launch,
+        inter_node_bytes_per_s=bandwidth, inter_node_latency_s=launch,
+        devices_per_node=1, launch_floor_s=launch,
+        source=f"measured on {socket.gethostname()} {when}, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} threads")
+    log.info("calibrated %s in %.2f s: %.3g FLOP/s fp32, %.3g B/s, launch %.3g s", profile.name,
+             time.perf_counter() - start, flops, bandwidth, launch)
+    return profile
+
+
+def _read_cached(path: str, key: dict[str, Any]) -> HardwareProfile | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            entry = json.load(handle)
+        found = entry.get("key") if isinstance(entry, dict) else None
+        if found != key:
+            raise ValueError(f"it was measured for {found!r}, not {key!r}")
+        return HardwareProfile.from_dict(entry.get("profile"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("ignoring the CPU profile in %s (%s); measuring again", path, exc)
+        return None
+
+
+def _write_cached(root: str, path: str, key: dict[str, Any], profile: HardwareProfile) -> None:
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)  # makedirs gives the mode to the leaf only
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump({"key": key, "profile": profile.to_dict()}, handle, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not store the CPU profile in %s: %s", path, exc)
+
+
+def cpu_profile(cache_dir: str | None = None, seconds: float = 5.0) -> HardwareProfile:
+    """This machine's measured profile: read from ``<cache_dir>/hardware/`` when it was
+    measured for the same CPU model, core count, torch version and ``torch.get_num_threads()``,
+    else ``calibrate_cpu(seconds)`` and stored there (``cache_dir`` defaults to
+    ``~/.cache/zeroc``, created with mode 0o700). A corrupt or stale file is measured again
+    and a cache that cannot be written is only logged."""
+    key = {"cpu_model": _cpu_model(), "cores": os.cpu_count() or 1,
+           "torch": torch.__version__, "threads": torch.get_num_threads()}
+    root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(root, "hardware", f"cpu-{digest}.json")
+    profile = _read_cached(path, key)
+    if profile is None:
+        profile = calibrate_cpu(seconds)
+        _write_cached(root, path, key, profile)
+    return profile
+
+
+def estimate_compute_s(flops: float, bytes_moved: float, dtype: torch.dtype | str,
+                       profile: str | Mapping[str, Any] | HardwareProfile) -> float:
+    """Roofline time of one op: ``max(flops / peak(dtype), bytes_moved / memory bandwidth)``,
+    never below the profile's launch floor. ``profile`` is anything ``get_profile`` takes."""
+    hardware = get_profile(profile)
+    for key, value in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if not _number(value) or value < 0:
+            raise OptionError(f"estimate_compute_s: {key} = {value!r} must be a number >= 0")
+    return max(flops / hardware.flops_for(dtype), bytes_moved / hardware.memory_bytes_per_s,
+               hardware.launch_floor_s)
+
+
+def estimate_collective_s(kind: str, nbytes: int, group_size: int,
+                          profile: str | Mapping[str, Any] | HardwareProfile,
+                          inter_node: bool) -> float:
+    """Ring-model time of a collective over ``group_size`` devices, on the links between
+    nodes when ``inter_node``, else on those inside a node. ``all_gather`` / ``reduce_scatter``
+    of a buffer of ``nbytes`` (the full, gathered size): ``(g-1)/g * nbytes / bandwidth +
+    (g-1) * latency``; ``all_reduce``: twice that; ``send`` / ``recv``: ``nbytes / bandwidth +
+    latency``. A group of one takes 0 s."""
+    if kind not in COLLECTIVE_KINDS:
+        raise OptionError(f"unknown collective kind {kind!r}; allowed: "
+                          f"{', '.join(COLLECTIVE_KINDS)}")
+    if not _number(nbytes) or nbytes < 0 or not isinstance(group_size, int) or group_size < 1:
+        raise OptionError(f"estimate_collective_s: nbytes = {nbytes!r} must be a number >= 0 "
+                          f"and group_size = {group_size!r} an int >= 1")
+    hardware = get_profile(profile)
+    if group_size == 1:
+        return 0.0
+    if inter_node:
+        bandwidth, latency = hardware.inter_node_bytes_per_s, hardware.inter_node_latency_s
+    else:
+        bandwidth, latency = hardware.intra_node_bytes_per_s, hardware.intra_node_latency_s
+    if kind in ("send", "recv"):
+        return nbytes / bandwidth + latency
+    ring = (group_size - 1) / group_size * nbytes / bandwidth + (group_size - 1) * latency
+    return 2.0 * ring if kind == "all_reduce" else ring
