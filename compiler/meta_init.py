@@ -36,11 +36,15 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["InitFn", "check_meta_initializable", "find_initializer", "materialize_direct"]
+from zeroc.runtime.planning_state import PLANNING
+
+__all__ = ["PLANNING", "InitFn", "check_meta_initializable", "find_initializer",
+           "materialize_direct"]
 
 log = logging.getLogger(__name__)
 
 InitFn = Callable[[nn.Module], None]
+
 _PLAN_ATTR = "_zeroc_meta_init"
 _STAGES = ("init_fn", "hook", "reset_parameters", "rope")  # who fills a tensor, first one wins
 _ROPE_BUFFERS = ("inv_freq", "original_inv_freq")
@@ -370,6 +374,12 @@ def materialize_direct(
     metas = _direct_meta(module)
     if not metas:
         return {}
+    if PLANNING.skip_init:  # planning on fake tensors: shapes matter, values do not
+        for name, tensor, is_buffer in metas:
+            if is_buffer:
+                module._buffers[name] = _empty_like(tensor, device)
+        return {n: _empty_like(t, device).detach() for n, t, is_buffer in metas
+                if not is_buffer and id(t) not in done}
     plan = _plan_for(model, init_fn)
     if any(s in ("init_fn", "hook") for s, _, _ in plan.stages.get(id(module), ())):
         _replay_construction(plan, plan.scope[id(module)][1], device)

@@ -50,7 +50,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
 
 from zeroc.deferred_init import DeferredInit, has_meta_parameters
-from zeroc.meta_init import check_meta_initializable, materialize_direct
+from zeroc.meta_init import PLANNING, check_meta_initializable, materialize_direct
 from zeroc.runtime.mesh import Mesh, build_mesh
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
@@ -118,6 +118,8 @@ def _validate(model: nn.Module, zero: int) -> None:
 
 
 def _materialize_device() -> torch.device:
+    if PLANNING.device is not None:  # the fake world's device
+        return PLANNING.device
     if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -129,7 +131,7 @@ def _join(path: str, name: str) -> str:
 
 def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     tensor = tensor.detach()
-    if mesh.dp > 1:
+    if mesh.dp > 1 and not PLANNING.simulated:  # planning: no values to agree on
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         dist.broadcast(tensor, src=mesh.dp_group_ranks[0], group=mesh.dp_group())
@@ -197,7 +199,8 @@ def parallelize(
     modules: dict[nn.Module, list[str]] = {}
     # A meta model in a pipeline keeps no parameter until the split is known.
     deferred = (DeferredInit.capture(model, device, mesh_, init_fn)
-                if mesh_.pp > 1 and has_meta_parameters(model) else None)
+                if mesh_.pp > 1 and has_meta_parameters(model) and not PLANNING.skip_init
+                else None)  # planning: fake tensors hold nothing to defer
     for path, module in list(model.named_modules()):
         fresh = materialize_direct(model, module, device, entries, init_fn)
         for local, param in list(module._parameters.items()):

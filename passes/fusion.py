@@ -22,6 +22,7 @@ import operator
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.node import map_aggregate
 
 from zeroc.codegen.aten_lowering import IRBuilder, lower
@@ -131,8 +132,10 @@ def _replace(graph: torch.fx.Graph, group: Group, kernel: FusedKernel,
     earlier groups to the nodes that now hold their values (updated here)."""
     inputs = [replaced.get(n, n) for n in inputs]
     reference = inputs[0].meta["val"]
-    fakes = [reference.new_empty(spec.shape, dtype=getattr(torch, spec.dtype))
-             for spec in kernel.ir.outputs]
+    # The graph's own fake mode makes them (another fake mode may be active: planning).
+    with unset_fake_temporarily():
+        fakes = [reference.new_empty(spec.shape, dtype=getattr(torch, spec.dtype))
+                 for spec in kernel.ir.outputs]
     with graph.inserting_before(group.nodes[-1]):
         fused = graph.call_function(kernel, tuple(inputs))
         fused.meta["val"] = fakes[0] if len(fakes) == 1 else tuple(fakes)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.planning_state import PLANNING
 
 functional = torch.ops._c10d_functional
 
@@ -44,7 +45,11 @@ def collective_bytes(op: str, in_bytes: int, out_bytes: int) -> int:
 
 
 def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device) -> bool:
-    """Whether the group reduce-scatters tensors of ``device`` by an all-reduce (gloo)."""
+    """Whether the group reduce-scatters tensors of ``device`` by an all-reduce (gloo).
+
+    Planning with a fake process group, a CPU job is planned as it runs: on gloo."""
+    if PLANNING.simulated:
+        return torch.device(device).type == "cpu"
     group = resolve_group(group_name)
     if group is None:
         return False

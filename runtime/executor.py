@@ -14,6 +14,7 @@ import torch.fx
 
 from zeroc.runtime.collectives import ISSUE_OPS
 from zeroc.runtime.errors import CollectiveError
+from zeroc.runtime.step_memory import tracking_scope
 
 
 class GraphExecutor:
@@ -33,6 +34,10 @@ class GraphExecutor:
         self.calls += 1
         inputs = list(args)
         args.clear()
+        with tracking_scope():
+            return self._run(inputs)
+
+    def _run(self, inputs: list[Any]) -> Any:
         if not self.communicates:
             return self.gm(*inputs)
         try:

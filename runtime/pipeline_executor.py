@@ -22,7 +22,6 @@ and action timings, so every rank returns the loss and can draw the measured tim
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,9 @@ from zeroc.runtime.actions import Action, ActionKind, Schedule
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.p2p import exchange_and_sum, post_receives, post_sends
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
+from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.step_clock import StepClock
+from zeroc.runtime.step_memory import tracking_scope
 
 ValueMeta = tuple[tuple[int, ...], torch.dtype, bool]
 # Set on every parameter of a compiled pipeline: the first pipeline position that updates it.
@@ -142,35 +144,40 @@ class PipelineExecutor:
         self._saved: dict[tuple[int, int], tuple[list[Any], dict[str, torch.Tensor]]] = {}
         self._pending_w: dict[tuple[int, int], list[Any]] = {}
         self._grads: dict[int, torch.Tensor] = {}
-        self._loss = torch.zeros((), dtype=torch.float64)
+        device = self._device()
+        self._loss = torch.zeros((), dtype=torch.float64, device=device)
         self._scale = self._normaliser(inputs)
         if self.zero is not None:
             self.zero.begin()
         my_groups = self.groups[train][self.layout.position]
-        spans, waits = [], []
+        clock = StepClock(device, PLANNING.simulated)
+        marks: list[Any] = []  # per group: start, compute start (after waiting), end
         self._posted: dict[int, list] = {}
         self._arriving: dict[tuple[str, int, int], list[Any]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
-        with torch.no_grad():
+        with torch.no_grad(), tracking_scope():
             for position, group in enumerate(my_groups):
-                start = time.time()
+                marks.append(clock.mark())
                 if group[0].is_p2p:
                     self._p2p(position, group)
+                    marks.append(marks[-1])
                 else:
                     # Receives of the next p2p group are posted before this compute runs;
                     # this compute waits only for the messages it reads.
                     self._post_receives(position + 1, my_groups)
                     self._await_messages(group[0])
-                    waited, start = time.time() - start, time.time()
+                    marks.append(clock.mark())
                     self._compute(group[0])
-                spans.append((start, time.time()))
-                waits.append(0.0 if group[0].is_p2p else waited)
+                marks.append(clock.mark())
             for works in self._arriving.values():  # messages nothing read (eval: gradients)
                 for work in works:
                     work.wait()
             for work, _tensor in self._sends:  # sends completed in the background
                 work.wait()
             self._sends = []
+            seconds = clock.seconds(marks)
+            spans = [(seconds[i + 1], seconds[i + 2]) for i in range(0, len(seconds), 3)]
+            waits = [seconds[i + 1] - seconds[i] for i in range(0, len(seconds), 3)]
             loss = self._finish(spans, waits, train)
             grads = self._grads
             if train and self.zero is not None:  # once per step, after the last backward
@@ -196,18 +203,24 @@ class PipelineExecutor:
         groups = self.groups[train]
         digest = self._batch_digest()
         timing_width = 3 * max(len(g) for g in groups)
-        mine = torch.zeros(1 + timing_width + digest.numel(), dtype=torch.float64)
+        device = self._loss.device
+        mine = torch.zeros(1 + timing_width + digest.numel(), dtype=torch.float64,
+                           device=device)
         mine[0] = self._loss
         flat = torch.tensor([t for span, wait in zip(spans, waits, strict=True)
                              for t in (*span, wait)], dtype=torch.float64)
-        mine[1:1 + flat.numel()] = flat
-        mine[1 + timing_width:] = digest
+        mine[1:1 + flat.numel()] = flat.to(device)
+        mine[1 + timing_width:] = digest.to(device)
         group = resolve_group(self.layout.group_name)
         if group is None:
             rows = [mine]
-        else:
+        else:  # on the group's device (CUDA under NCCL), read on the host once
             rows = [torch.empty_like(mine) for _ in range(group.size())]
             dist.all_gather(rows, mine, group=group)
+        if PLANNING.simulated:  # fake tensors: no values to read; the plan has no timings
+            self.timings = None
+            return (sum(row[0] for row in rows) * self._scale).float()
+        rows = [row.cpu() for row in rows]
         self.timings = StepTimings(
             labels=tuple(tuple(group_label(g) for g in rank_groups) for rank_groups in groups),
             times=tuple(tuple((float(row[1 + 3 * i]), float(row[2 + 3 * i]))
@@ -222,6 +235,8 @@ class PipelineExecutor:
     def _batch_digest(self) -> torch.Tensor:
         """Two position-weighted sums per batch input: equal on ranks given equal batches."""
         parts = []
+        if PLANNING.simulated:
+            return torch.zeros(2 * len(self.layout.batch_inputs), dtype=torch.float64)
         for index in sorted(self.layout.batch_inputs):
             flat = self._inputs[index].detach().reshape(-1).double()
             weights = torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1
@@ -244,8 +259,8 @@ class PipelineExecutor:
         """1 / the loss's denominator for this batch (every rank has the whole batch)."""
         if self.layout.loss_kind == "micro_mean":
             return 1.0 / self.layout.schedule.num_microbatches
-        if self.layout.loss_denominator is None:
-            return 1.0
+        if self.layout.loss_denominator is None or PLANNING.simulated:
+            return 1.0  # planning: the denominator's value does not exist (shapes are exact)
         denominator = float(self.layout.loss_denominator(*inputs))
         if denominator == 0:
             raise ValueError("zeroc pipeline: the loss's denominator is 0 for this batch "
@@ -337,7 +352,7 @@ class PipelineExecutor:
             if i < len(program.out_keys):
                 tangents.append(grads_in[program.out_keys[i]])
             else:  # d(numerator): the step scales every gradient by 1 / denominator at the end
-                tangents.append(torch.ones((), dtype=torch.float32))
+                tangents.append(torch.ones((), dtype=torch.float32, device=self._device()))
         return saved + tangents
 
     def backward_results(self, stage: int, microbatch: int, grads: tuple) -> None:
@@ -361,7 +376,8 @@ class PipelineExecutor:
             if not requires_grad:
                 continue
             parts = [g for g in (own.get(key), downstream.get(key)) if g is not None]
-            total = parts[0] if parts else torch.zeros(shape, dtype=dtype)
+            total = parts[0] if parts else torch.zeros(shape, dtype=dtype,
+                                                       device=self._device())
             for part in parts[1:]:
                 total = total + part
             message[key] = total

@@ -1,0 +1,213 @@
+"""Plan a job for a world that is not there: zeroc's real program on fake tensors.
+
+``plan_world(model, example_inputs, world=W, pp=P, zero=S, device="cuda")`` runs, in this
+process, what every rank of a W-rank job would run: ``zeroc.parallelize``, Dynamo capture,
+the passes, the stage split and schedule, and one training step (forward, backward, AdamW)
+through the real executors, on ``FakeTensorMode`` tensors (shapes, dtypes and devices, no
+data; any device mix raises) with a fake process group (``"fake"`` backend: every collective
+and p2p call is made, none moves data).
+
+Ranks that run the same program are planned once: the ranks of one pipeline position differ
+only in which rows of each parameter they hold, so one representative per position (its
+first data-parallel rank) is planned, ``P`` programs in all. Each rank's parameters,
+gradients and optimizer state are read from its fake tensors after the step, and its peak is
+measured during the step by ``zeroc.runtime.step_memory.StepMemory``, the same tracker a real
+run uses.
+
+The model may be on the meta device (nothing is ever allocated: fake tensors hold no memory)
+or on the CPU (it is copied to meta first; the user's model is not touched). Values never
+exist, so nothing here can depend on them: a model whose forward reads a tensor's value
+(``.item()``, data-dependent control flow) is refused, naming the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zeroc.fake_cuda import ensure_fake_cuda, run_backward
+from zeroc.runtime.planning_state import PLANNING
+
+__all__ = ["PositionPlan", "fake_world", "meta_copy", "plan_position"]
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("cuda", "cpu")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors (ties kept)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = (nn.Parameter(empty, tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTensorMode]:
+    """A fake process group as ``rank`` of ``world``, its (pp, dp) mesh, and a fake tensor
+    mode on ``device``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "zeroc.explain(world=...) plans with a fake process group in this process, but a "
+            "process group is already initialized: call it before init_process_group, or in "
+            "a separate process (python -m zeroc explain ...)")
+    if device == "cuda":
+        ensure_fake_cuda()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    from zeroc.runtime.mesh import build_mesh
+
+    build_mesh(pp, None, device)  # on real tensors (it reads its rank table); parallelize reuses it
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    saved = (PLANNING.skip_init, PLANNING.device, PLANNING.simulated)
+    PLANNING.skip_init, PLANNING.simulated = True, True
+    PLANNING.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    torch._dynamo.reset()
+    try:
+        with mode:
+            yield mode
+    finally:
+        PLANNING.skip_init, PLANNING.device, PLANNING.simulated = saved
+        torch._dynamo.reset()
+        from zeroc.runtime import shutdown
+
+        shutdown.release_destroyed_groups()
+        dist.destroy_process_group()
+
+
+def _fake_inputs(example_inputs: Any, device: torch.device) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of fake tensors on ``device`` standing for ``example_inputs``."""
+    def fake(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.empty(value.shape, dtype=value.dtype, device=device)
+        return value
+
+    if isinstance(example_inputs, dict):
+        return (), {k: fake(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor):
+        return (fake(example_inputs),), {}
+    return tuple(fake(v) for v in example_inputs), {}
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"zeroc.explain(world=...): the model returned {type(output).__name__}; a step "
+            "needs a scalar loss (return it, or a Hugging Face output with .loss: pass "
+            "labels= in example_inputs)")
+    return loss
+
+
+class PositionPlan:
+    """What one representative rank of a pipeline position measured in its fake step."""
+
+    def __init__(self, rank: int, plan: Any, memory: dict[str, int], seconds: float) -> None:
+        self.rank, self.plan, self.memory, self.seconds = rank, plan, memory, seconds
+
+
+def _storage_bytes(tensors: list[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard; a
+    parameter another pipeline rank holds: nothing)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.is_meta:
+            continue
+        storage = local.untyped_storage()
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            total += storage.nbytes()
+    return total
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameters, gradients and optimizer state this rank holds, from the tensors."""
+    state = model.__dict__.get("_zeroc_state")
+    flats = [s.flat for s in state.params] if state is not None else list(model.parameters())
+    return {
+        "params": _storage_bytes(flats),
+        "grads": _storage_bytes([p.grad for p in model.parameters()]),
+        "optimizer": _storage_bytes([v for st in optimizer.state.values()
+                                     for v in st.values() if getattr(v, "dim", lambda: 0)()]),
+    }
+
+
+def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+                  args: tuple, kwargs: dict, backward: Any) -> dict[str, int]:
+    """One training step measured by ``StepMemory``: at rest (after it, before
+    ``zero_grad``) and the peak (parameters at rest + the most bytes alive during it)."""
+    from zeroc.runtime.step_memory import StepMemory
+
+    optimizer.zero_grad(set_to_none=True)
+    before = held_bytes(model, optimizer)
+    tracker = StepMemory()
+    with tracker.active():
+        loss = _loss_of(compiled(*args, **kwargs))
+        backward(loss)
+        del loss
+        with tracker:
+            optimizer.step()
+    after = held_bytes(model, optimizer)
+    return {**after, "peak": before["params"] + before["optimizer"] + tracker.peak}
+
+
+def _explain_value_read(error: Exception) -> None:
+    """Raise a ``ValueError`` naming the op when ``error`` is a value read on a fake tensor."""
+    text = f"{type(error).__name__}: {error}"
+    if "DataDependent" in text or "data-dependent" in text.lower():
+        op = next((w for w in text.replace(",", " ").split() if w.startswith("aten.")), "")
+        raise ValueError(
+            "zeroc.explain(world=...): the model reads a tensor's value "
+            f"{'(' + op + ') ' if op else ''}while it runs; planning uses fake tensors, which "
+            "have no values: remove the .item() / data-dependent branch, or plan with a real "
+            "run (zeroc.explain(compiled) after a step)") from None
+
+
+def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: int, pp: int,
+                  zero: int, device: str, options: dict | None,
+                  mixed_precision: Any = None) -> PositionPlan:
+    """Plan global rank ``rank`` of a ``world``-rank job: one fake training step."""
+
+    import zeroc
+
+    started = time.perf_counter()
+    replica = meta_copy(model)
+    with fake_world(rank, world, pp, device) as _:
+        target = PLANNING.device
+        args, kwargs = _fake_inputs(example_inputs, target)
+        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision)
+        compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
+        optimizer = torch.optim.AdamW(parallel.parameters())
+        try:  # compiled outside the tracker: its module hooks would split Dynamo's graph
+            loss = _loss_of(compiled(*args, **kwargs))
+        except Exception as error:
+            _explain_value_read(error)
+            raise
+        del loss
+        memory = measured_step(compiled, parallel, optimizer, args, kwargs, run_backward)
+        plan = zeroc.explain(compiled)
+    seconds = time.perf_counter() - started
+    log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)
+    return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds)

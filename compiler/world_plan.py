@@ -1,0 +1,79 @@
+"""``zeroc.explain(model, example_inputs, world=W, ...)``: the plan of a job that is not there.
+
+Each pipeline position is planned once on fake tensors (``zeroc.fake_world.plan_position``,
+on its first data-parallel rank); the positions' plans are merged into one: the graphs,
+collectives, kernels and passes of position 0 (every position runs the same passes), every
+position's stages (the pipeline section already holds all stages), and one memory row per
+rank, measured on that rank's position. ``meta.world_size`` and ``meta.mesh`` describe the
+planned world, and the step time is estimated from a hardware profile
+(``zeroc.runtime.hardware``) when one is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from torch import nn
+
+from zeroc.fake_world import DEVICES, plan_position
+from zeroc.runtime.plan import Plan
+from zeroc.runtime.records import MemoryEstimate
+from zeroc.runtime.zero_ops import ZERO_STAGES
+
+__all__ = ["plan_world"]
+
+log = logging.getLogger(__name__)
+
+
+def _check(world: Any, pp: Any, zero: Any, device: Any, hardware: Any) -> None:
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r} is not allowed: world must be an integer >= 1")
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1 or world % pp:
+        allowed = [d for d in range(1, world + 1) if world % d == 0]
+        shown = allowed if len(allowed) <= 16 else [*allowed[:8], "...", *allowed[-4:]]
+        raise ValueError(f"pp={pp!r} is not allowed with world={world}: pp must divide the "
+                         f"world (allowed: {shown})")
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero={zero!r} is not allowed: zero must be one of 0, 1, 2, 3")
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} is not allowed: use one of {list(DEVICES)}")
+    if hardware is not None:
+        from zeroc.runtime.hardware import get_profile
+
+        get_profile(hardware)  # raises naming the known profiles
+
+
+def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1,
+               zero: int = 3, device: str = "cuda", hardware: Any = None,
+               options: dict | None = None, mixed_precision: Any = None) -> Plan:
+    """The plan of a ``world``-rank job (``pp`` pipeline positions of ``world // pp``
+    data-parallel ranks) for ``model`` on ``example_inputs`` (a tuple of positional inputs or
+    a dict of keyword inputs, at the global batch of one data-parallel replica), computed on
+    this machine without the cluster. ``options``: zeroc's compile options."""
+    _check(world, pp, zero, device, hardware)
+    dp = world // pp
+    positions = []
+    for position in range(pp):
+        log.info("planning pipeline position %d of %d (rank %d)", position + 1, pp,
+                 position * dp)
+        positions.append(plan_position(
+            model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
+            device=device, options=options, mixed_precision=mixed_precision))
+    base = positions[0].plan
+    memory = []
+    for position, planned in enumerate(positions):
+        row = planned.memory
+        activations = max(0, row["peak"] - row["params"] - row["optimizer"])
+        moved = next((m.moved for m in planned.plan.memory if m.rank == planned.rank), 0)
+        for rank in range(position * dp, (position + 1) * dp):
+            memory.append(MemoryEstimate(
+                rank=rank, params=row["params"], grads=row["grads"], optimizer=row["optimizer"],
+                activations=activations, peak=row["peak"], moved=moved))
+    mesh = (("pp", pp), ("dp", dp))
+    meta = dataclasses.replace(base.meta, world_size=world, mesh=mesh,
+                               device=device if device == "cpu" else "cuda (planned)")
+    plan = dataclasses.replace(base, meta=meta, memory=tuple(memory))
+    log.info("planned a %d-rank job in %.1f s", world, sum(p.seconds for p in positions))
+    return plan

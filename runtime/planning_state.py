@@ -1,0 +1,26 @@
+"""What the fake world (``zeroc.fake_world``) changes while it plans a job on fake tensors.
+
+``PLANNING.skip_init``: ``zeroc.meta_init`` allocates a meta model's tensors without running
+any initializer (fake tensors have no values, and random initializers need a real device).
+``PLANNING.device``: the device ``zeroc.parallelize`` allocates on (a fake ``cuda`` device on a
+machine that has none). ``PLANNING.simulated``: the pipeline executor neither reads values
+(losses, timings, batch digests) nor uses CUDA events, and times with the host clock.
+Thread-local, set only inside ``zeroc.fake_world.fake_world``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["PLANNING"]
+
+
+class _Planning(threading.local):
+    skip_init = False
+    device: torch.device | None = None
+    simulated = False
+
+
+PLANNING = _Planning()
