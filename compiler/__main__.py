@@ -1,22 +1,28 @@
-"""``python -m zeroc <command>``: ``demo`` trains a small GPT with zeroc and prints its plan."""
+"""``python -m zeroc <command>``: ``demo`` trains a small GPT with zeroc and prints its plan;
+``explain`` plans a job for a world that is not there (``zeroc.explain_cli``)."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("demo",)
+COMMANDS = ("demo", "explain")
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: python -m zeroc {{{','.join(COMMANDS)}}} [options]\n"
-              "  demo   train the zoo GPT with zeroc; print the loss per step and the plan")
+              "  demo     train the zoo GPT with zeroc; print the loss per step and the plan\n"
+              "  explain  plan a W-rank job on this machine (FILE.py:FACTORY --world W ...)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
         from zeroc.demo import run_demo
 
         return run_demo(rest)
+    if command == "explain":
+        from zeroc.explain_cli import run_explain
+
+        return run_explain(rest)
     print(f"python -m zeroc: unknown command {command!r}; known: {list(COMMANDS)}",
           file=sys.stderr)
     return 2

@@ -26,6 +26,7 @@ from zeroc.runtime.records import (
     PassInfo,
     PipelineInfo,
     StageInfo,
+    StepEstimate,
 )
 
 PLAN_FORMAT = 1
@@ -61,6 +62,7 @@ class Plan:
     memory: tuple[MemoryEstimate, ...]
     passes: tuple[PassInfo, ...]
     pipeline: PipelineInfo | None = None
+    estimate: StepEstimate | None = None  # planned jobs (explain(world=...)) on a profile
 
     def to_json(self, indent: int | None = None) -> str:
         """The plan as JSON text."""

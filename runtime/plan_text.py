@@ -104,8 +104,15 @@ def render_plan(plan: Plan) -> str:
         f"zero {meta.zero if meta.zero >= 0 else 'off'}, "
         f"schedule {meta.schedule}",
         f"options: {options}",
-        "",
     ]
+    if plan.estimate is not None:
+        e = plan.estimate
+        out.append(
+            f"estimated step on {e.hardware} ({e.dtype}): {1000 * e.step_s:.1f} ms = compute "
+            f"{1000 * e.compute_s:.1f} ms (bubble {100 * e.bubble:.1f}%) + exposed "
+            f"communication {1000 * e.exposed_communication_s:.1f} ms + optimizer "
+            f"{1000 * e.optimizer_s:.1f} ms (roofline and ring model: zeroc.step_estimate)")
+    out.append("")
     out.append(_section(
         "graphs",
         [[g.name, g.kind, g.nodes, g.inputs, g.outputs, human_count(g.flops),

@@ -157,3 +157,16 @@ class PipelineInfo:
     stage_costs: tuple[tuple[float, float, float], ...] = ()
     grid_time_unit: float = 0.0
     grid_legend: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """A planned job's step time on a hardware profile (``zeroc.step_estimate``), seconds."""
+
+    hardware: str
+    dtype: str
+    step_s: float
+    compute_s: float
+    exposed_communication_s: float
+    optimizer_s: float
+    bubble: float
