@@ -54,6 +54,7 @@ from zeroc.runtime.pipeline_executor import (
     PipelineLayout,
     StageProgram,
 )
+from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
 from zeroc.stage_holding import keep_only
@@ -464,7 +465,11 @@ class _TrainStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        if (not PLANNING.simulated and grad_loss.numel() == 1
+                and float(grad_loss) == 1.0):  # loss.backward(): the gradients as they are
+            scaled = ctx.grads
+        else:
+            scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
         ctx.grads = None
         return (None, None, None, *scaled)
 
