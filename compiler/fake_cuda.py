@@ -99,10 +99,17 @@ def run_backward(loss: torch.Tensor) -> None:
     while ready:
         node = ready.pop()
         received = buffers.pop(node, {})
-        width = max(received, default=0) + 1
+        # One gradient per output of the node's forward (None where nothing flowed back).
+        metadata = getattr(node, "_input_metadata", None)
+        width = max(max(received, default=0) + 1, len(metadata) if metadata else 0)
         # C++ nodes are callable; a Python Function's node runs its backward through apply.
         call = node if callable(node) else node.apply
-        outputs = call(*[received.get(i) for i in range(width)])
+        grads = [received.get(i) for i in range(width)]
+        for i, grad in enumerate(grads):  # a Function's missing gradients become zeros
+            if grad is None and not callable(node) and metadata and i < len(metadata):
+                grads[i] = torch.zeros(tuple(metadata[i].shape), dtype=metadata[i].dtype,
+                                       device=metadata[i].device)
+        outputs = call(*grads)
         clear = getattr(node, "maybe_clear_saved_tensors", None)
         if clear is not None:  # as the engine does without retain_graph: free what it saved
             clear()

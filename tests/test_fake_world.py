@@ -105,3 +105,21 @@ class ReadsAValue(nn.Module):
 def test_a_value_read_names_the_op() -> None:
     with pytest.raises(ValueError, match=r"reads a tensor's value.*item"):
         zeroc.explain(ReadsAValue(), (torch.ones(4, 8),), world=2, zero=3, device="cpu")
+
+
+def test_plans_a_hugging_face_llama_with_labels() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    for pp in (1, 2):
+        plan = zeroc.explain(model, {"input_ids": tokens, "labels": tokens}, world=2, pp=pp,
+                             zero=3, device="cpu", hardware="h100-sxm",
+                             options={"schedule": "1f1b"} if pp > 1 else None)
+        assert [m.rank for m in plan.memory] == [0, 1]
+        assert plan.estimate is not None and plan.estimate.step_s > 0
+        assert all(m.params > 0 and m.peak >= m.params for m in plan.memory)
