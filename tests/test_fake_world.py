@@ -4,7 +4,8 @@ The fake plan of the zoo GPT at world 2 (ZeRO-3) is compared with a real 2-rank 
 the same model: the same graphs (their code), the same collectives (op and bytes), the same
 bytes held at rest, and a peak (both measured by ``measured_step``'s ``StepMemory`` tracker,
 on real and on fake tensors) at most 30% above the real one. At pp=2 x dp=2 every rank's row holds
-16 bytes x its stages' parameters / dp. Bad input: pp not dividing the world, an unknown
+16 bytes x its stages' parameters / dp. A meta Hugging Face Llama (``use_cache`` left on) plans
+at pp=1 and pp=2 with an estimated step. Bad input: pp not dividing the world, an unknown
 hardware name, a model that reads a value while it runs, a process group already there.
 """
 
@@ -112,7 +113,7 @@ def test_plans_a_hugging_face_llama_with_labels() -> None:
     config = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        use_cache=False)
+        use_cache=True)  # left on, as users often do: the training step makes no cache
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     tokens = torch.zeros(4, 16, dtype=torch.long)
