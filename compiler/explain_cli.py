@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--options", default="{}", metavar="JSON",
                         help="other zeroc compile options as JSON, e.g. '{\"bucket_mb\": 50}'")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON here")
+    parser.add_argument("--trace", metavar="PATH",
+                        help="also write the planned schedule (simulated with the plan's stage "
+                             "costs) as a Chrome/Perfetto trace here (pipelines only)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -88,6 +91,14 @@ def run_explain(argv: list[str]) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             handle.write(plan.to_json())
+    if args.trace:
+        if plan.pipeline is None:
+            print("python -m zeroc explain: --trace needs a pipeline (--pp > 1)",
+                  file=sys.stderr)
+            return 2
+        from zeroc.runtime.chrome_trace import write_planned_trace
+
+        write_planned_trace(plan.pipeline, args.trace)
     print(f"planned {args.world} ranks in {time.perf_counter() - started:.1f} s",
           file=sys.stderr)
     return 0

@@ -1,4 +1,4 @@
-"""Chrome/Perfetto trace of a measured pipeline step: one track per rank.
+"""Chrome/Perfetto trace of a measured pipeline step (or of a planned one): one track per rank.
 
 The trace is the JSON "Trace Event Format" that ``chrome://tracing`` and ui.perfetto.dev read:
 every action group of every rank becomes a complete event (``"ph": "X"``) on the track
@@ -8,6 +8,7 @@ actions are named by their action (``F3@s1``, ``F4@s0&B0@s3``), p2p groups by th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -64,3 +65,21 @@ def write_chrome_trace(info: PipelineInfo, path: str) -> str:
                                  "p2p_wait_ms_per_rank": list(info.measured_p2p_wait_ms)}},
                   handle)
     return path
+
+
+def write_planned_trace(info: PipelineInfo, path: str) -> str:
+    """Write the schedule as the plan models it (simulated with the plan's stage costs; one
+    cost unit is drawn as one millisecond) to ``path``; return ``path``. For plans whose
+    step never ran on real devices (``zeroc.explain(world=...)``)."""
+    from zeroc.runtime.schedule_grid import info_schedule
+    from zeroc.runtime.simulate import ActionCosts, simulate
+
+    costs = ActionCosts(stages=info.stage_costs) if info.stage_costs else ActionCosts()
+    timeline = simulate(info_schedule(info), costs)
+    planned = dataclasses.replace(
+        info,
+        event_labels=tuple(tuple(str(t.action) for t in rank) for rank in timeline.ranks),
+        event_times=tuple(tuple((t.start / 1000, t.end / 1000) for t in rank)
+                          for rank in timeline.ranks),
+        event_waits=(), measured_p2p_wait_ms=())
+    return write_chrome_trace(planned, path)

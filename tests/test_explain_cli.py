@@ -22,7 +22,7 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_help_documents_every_flag() -> None:
     out = _run("--help").stdout
     for flag in ("--world", "--pp", "--zero", "--device", "--hardware", "--schedule",
-                 "--microbatches", "--options", "--json", "--quiet"):
+                 "--microbatches", "--options", "--json", "--trace", "--quiet"):
         assert flag in out, flag
 
 
@@ -44,13 +44,17 @@ def test_plans_a_four_rank_pipeline_from_a_factory(tmp_path) -> None:
     """))
     plan_json = tmp_path / "plan.json"
     done = _run(f"{factory}:build", "--world", "4", "--pp", "2", "--zero", "3",
-                "--schedule", "1f1b", "--hardware", "h100-sxm", "--json", str(plan_json))
+                "--schedule", "1f1b", "--hardware", "h100-sxm", "--json", str(plan_json),
+                "--trace", str(tmp_path / "trace.json"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world 4, mesh pp=2 x dp=2" in done.stdout
     assert "estimated step on h100-sxm" in done.stdout
     plan = json.loads(plan_json.read_text())
     assert plan["meta"]["world_size"] == 4
     assert sorted(m["rank"] for m in plan["memory"]) == [0, 1, 2, 3]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"F0@s0", "B0@s1"} <= names and {e["tid"] for e in events} == {0, 1}
 
 
 def test_bad_factory_and_hardware_are_named(tmp_path) -> None:
