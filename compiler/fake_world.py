@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -118,11 +119,14 @@ def _loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
+@dataclasses.dataclass(frozen=True)
 class PositionPlan:
     """What one representative rank of a pipeline position measured in its fake step."""
 
-    def __init__(self, rank: int, plan: Any, memory: dict[str, int], seconds: float) -> None:
-        self.rank, self.plan, self.memory, self.seconds = rank, plan, memory, seconds
+    rank: int
+    plan: Any
+    memory: dict[str, int]
+    seconds: float
 
 
 def _storage_bytes(tensors: list[Any]) -> int:

@@ -301,13 +301,10 @@ def _compile_pipeline(
     for index, positions in holders.items():
         setattr(example_inputs[index], PP_SOURCE_ATTR, min(positions))
     # A parameter no stage reads stays at position 0 (so checkpoints keep it).
-    held = [example_inputs[i] for i in params
-            if position in holders.get(i, ()) or (i not in holders and position == 0)]
-    keep_only([example_inputs[i] for i in params], held)
-    position_params = {
-        p: frozenset(_param_name(example_inputs[i]) for i in params
-                     if p in holders.get(i, ()) or (i not in holders and p == 0))
-        for p in range(pp)}
+    held_by = {p: [i for i in params if p in holders.get(i, {0})] for p in range(pp)}
+    keep_only([example_inputs[i] for i in params], [example_inputs[i] for i in held_by[position]])
+    position_params = {p: frozenset(_param_name(example_inputs[i]) for i in indices)
+                       for p, indices in held_by.items()}
     executor = PipelineExecutor(
         PipelineLayout(
             schedule=lower_communication(schedule),

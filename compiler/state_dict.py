@@ -233,8 +233,9 @@ def load_full_state_dict(
             if not everywhere:
                 dist.broadcast(full, src=0)
             if sharded is not None and not sharded.held:
-                pass  # held by another pipeline position, which loads it
-            elif sharded is None:
+                loaded.update(names[key])  # held by another pipeline position, which loads it
+                continue
+            if sharded is None:
                 target.copy_(full)
             elif sharded.record.op_stage == 0:
                 storage.copy_(full.reshape(-1))

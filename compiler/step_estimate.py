@@ -64,8 +64,7 @@ def _collective_s(plan: Any, dp: int, profile: Any, inter_node: bool,
         at_step = c.graph.endswith(".step") or c.graph == "optimizer.step"
         if at_step != once:
             continue
-        kind = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}.get(
-            c.op, "all_reduce")
+        kind = c.op if c.op in ("all_gather", "reduce_scatter") else "all_reduce"
         # zeroc's byte accounting: a gather / reduce-scatter of X moves X, an all-reduce 2X.
         nbytes = c.bytes if kind != "all_reduce" else c.bytes // 2
         total += estimate_collective_s(kind, nbytes, dp, profile, inter_node)

@@ -14,7 +14,7 @@ import torch.fx
 
 from zeroc.runtime.collectives import ISSUE_OPS
 from zeroc.runtime.errors import CollectiveError
-from zeroc.runtime.step_memory import tracking_scope
+from zeroc.runtime.step_memory import tracking, tracking_scope
 
 
 class GraphExecutor:
@@ -34,6 +34,8 @@ class GraphExecutor:
         self.calls += 1
         inputs = list(args)
         args.clear()
+        if not tracking():
+            return self._run(inputs)
         with tracking_scope():
             return self._run(inputs)
 

@@ -10,6 +10,7 @@ is a roofline, ``estimate_collective_s`` the ring model. Sizes are decimal (a da
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -267,23 +268,19 @@ def _launch_floor(end: float) -> float:
 
 
 def _cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):  # no /proc: fall back to what platform knows
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 key, _, value = line.partition(":")
                 if key.strip() in ("model name", "Model", "Hardware") and value.strip():
                     return value.strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine() or "unknown"
 
 
 def _memory_total_bytes() -> int:
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):  # no /proc
         with open("/proc/meminfo", encoding="utf-8") as handle:
             return next(int(ln.split()[1]) * 1024 for ln in handle if ln.startswith("MemTotal:"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        pass
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, ValueError, OSError) as exc:

@@ -144,7 +144,8 @@ class PipelineExecutor:
         self._saved: dict[tuple[int, int], tuple[list[Any], dict[str, torch.Tensor]]] = {}
         self._pending_w: dict[tuple[int, int], list[Any]] = {}
         self._grads: dict[int, torch.Tensor] = {}
-        device = self._device()
+        tensor = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
+        self._step_device = device = tensor.device if tensor is not None else torch.device("cpu")
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
         self._scale = self._normaliser(inputs)
         if self.zero is not None:
@@ -447,8 +448,8 @@ class PipelineExecutor:
         self._posted[position] = posted
 
     def _device(self) -> torch.device:
-        tensor = next((v for v in self._inputs if isinstance(v, torch.Tensor)), None)
-        return tensor.device if tensor is not None else torch.device("cpu")
+        """The step's device: its inputs' (the group's device for p2p and collectives)."""
+        return self._step_device
 
     def _p2p(self, position: int, group: tuple[Action, ...]) -> None:
         """Post this group's sends (waited at the end of the step) and wait for its receives,

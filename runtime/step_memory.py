@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StepMemory", "tracking_scope"]
+__all__ = ["StepMemory", "tracking", "tracking_scope"]
 
 
 class _Current(threading.local):
@@ -77,6 +77,11 @@ class StepMemory(TorchDispatchMode):
             yield self
         finally:
             _CURRENT.tracker = previous
+
+
+def tracking() -> bool:
+    """Whether a tracker is active (a cheap test for the executors' hot path)."""
+    return _CURRENT.tracker is not None
 
 
 @contextlib.contextmanager
