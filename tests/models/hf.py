@@ -81,8 +81,16 @@ class UserWrapper(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def token_batch(batch: int = 8, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """``(input_ids, labels)``: random tokens, the labels a copy of the inputs."""
+def token_batch(batch: int = 8, seq: int = 16, seed: int = 0,
+                ignored: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """``(input_ids, labels)``: random tokens, the labels a copy of the inputs.
+
+    ``ignored``: the fraction of labels set to ``-100`` at random, so micro-batches hold
+    different numbers of counted tokens (a token mean must divide by the whole batch's count).
+    """
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=generator)
-    return ids, ids.clone()
+    labels = ids.clone()
+    if ignored:
+        labels[torch.rand(batch, seq, generator=generator) < ignored] = -100
+    return ids, labels
