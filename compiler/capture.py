@@ -20,14 +20,15 @@ import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from zeroc.codegen.fused_kernel import choose_backend
+from zeroc.codegen.inductor_graphs import InductorGraph, inductor_decompositions, kernel_path
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.decompositions import decomposition_table
-from zeroc.passes.pipeline import DYNAMO_PASSES, GRAPH_PASSES, JOINT_PASSES
+from zeroc.passes.pipeline import DYNAMO_PASSES, JOINT_PASSES, graph_passes
 from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
 from zeroc.runtime.executor import GraphExecutor
+from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import ParamInfo
 from zeroc.session import CompiledGraph, CompileSession
 
@@ -119,8 +120,10 @@ def compile_dynamo_graph(
         kwargs.pop("compiler", None)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
+    path = kernel_path(config.kernels, device)
+
     def make_compiler(kind: str) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
-        def compile_graph(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
+        def compile_graph(graph: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
             name = f"{prefix}.{kind}"
             zero, zero_group = _zero_markers(graph)
             if zero_group:
@@ -128,7 +131,7 @@ def compile_dynamo_graph(
                 record.zero_group = zero_group
             ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
                               extras={"input_names": input_names, "zero_group": zero_group})
-            graph, pass_records = run_passes(graph, ctx, GRAPH_PASSES,
+            graph, pass_records = run_passes(graph, ctx, graph_passes(path),
                                              record=config.record_graphs)
             text = graph_text(graph)
             group_name = ctx.extras.get("zero_group", "")
@@ -142,8 +145,17 @@ def compile_dynamo_graph(
                                          peak_bytes(graph, include_inputs=False))
             if kind == "forward":
                 record.saved_bytes = _saved_bytes(graph, record.num_fwd_outputs)
+            run_boxed = None
+            # Planning on fake tensors runs the graphs themselves: compiled code needs values.
+            if path == "inductor" and not PLANNING.simulated:
+                compiled = InductorGraph(graph, name, list(inputs))
+                record.kernels.extend(compiled.kernels)
+                record.output_code[name] = compiled.source_code
+                if not compiled.collectives_kept:
+                    record.collectives_moved.append(name)
+                run_boxed = compiled.run_boxed
             _release_metadata(graph)
-            return GraphExecutor(graph, name)
+            return GraphExecutor(graph, name, run_boxed)
 
         return compile_graph
 
@@ -152,7 +164,8 @@ def compile_dynamo_graph(
         bw_compiler=make_compiler("backward"),
         inference_compiler=make_compiler("inference"),
         partition_fn=partition,
-        decompositions=decomposition_table(choose_backend(config.kernels, device)),
+        decompositions=(inductor_decompositions() if path == "inductor"
+                        else decomposition_table(path)),
     )
     return backend(gm, example_inputs)
 

@@ -15,7 +15,7 @@ from typing import Any
 from zeroc.runtime.errors import OptionError
 
 MODES = ("default", "max-autotune")
-KERNEL_BACKENDS = ("auto", "triton", "aten")
+KERNEL_BACKENDS = ("auto", "triton", "aten", "inductor")
 PARTITIONERS = ("min_cut", "default")
 # The pipeline schedules of zeroc.passes.schedule (kept here so the config stays import-light).
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
@@ -25,9 +25,11 @@ SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 class Config:
     """Compile options. Every field is documented in README.md ("Options").
 
-    kernels: "auto" runs generated Triton kernels on CUDA tensors and the fused groups' aten
-        ops elsewhere; "triton" always launches Triton (on CPU needs TRITON_INTERPRET=1);
-        "aten" never launches Triton (sources are still generated and shown in the plan).
+    kernels: "auto" compiles the graphs of CUDA tensors with Inductor and runs the fused
+        groups' aten ops elsewhere; "inductor" always compiles every functional graph with
+        Inductor (C++ kernels on CPU, Triton on CUDA) after zeroc's passes; "triton" always
+        launches zeroc's own Triton kernels (on CPU needs TRITON_INTERPRET=1); "aten" never
+        launches Triton (sources are still generated and shown in the plan).
     fusion: fuse pointwise chains and last-dimension reductions into kernels.
     fused_loss: compute a linear layer followed by cross-entropy (a language-model head) in
         row chunks with ``zeroc::linear_cross_entropy``, never materializing the logits.

@@ -33,6 +33,7 @@ from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
+from zeroc.codegen.inductor_graphs import inductor_decompositions, kernel_path
 from zeroc.config import Config
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
@@ -41,7 +42,7 @@ from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.loss_output import LossOutput, keep_loss_output
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.overlap_fb import overlap_forward_backward
-from zeroc.passes.pipeline import GRAPH_PASSES, JOINT_PASSES
+from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
 from zeroc.passes.schedule import build_schedule
 from zeroc.passes.specialize_shapes import microbatch_inputs, size_inputs, specialize
 from zeroc.passes.split_stages import StageSplit, split_stages
@@ -58,6 +59,7 @@ from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
 from zeroc.stage_holding import keep_only
+from zeroc.stage_kernels import compile_stages_with_inductor, inductor_after
 
 LAYOUT_ATTR = "_zeroc_layout"
 
@@ -286,13 +288,16 @@ def _compile_pipeline(
     record.device = str(device)
     record.zero = layout.zero
     record.zero_group = layout.dp_group_name
+    path = kernel_path(config.kernels, device)
     programs = {s: _compile_stage(split, s, example_inputs, batch_inputs, batch // microbatches,
-                                  config, record, names, device) for s in mine}
+                                  config, record, names, device, path) for s in mine}
     if any(a.kind is ActionKind.FB for a in schedule.actions[position]):
         for a in schedule.actions[position]:
             if a.kind is ActionKind.FB and a.b_stage not in programs[a.stage].overlapped:
                 programs[a.stage].overlapped[a.b_stage] = overlap_forward_backward(
                     programs[a.stage], programs[a.b_stage])
+    if path == "inductor" and not PLANNING.simulated:  # planning runs the graphs on fakes
+        compile_stages_with_inductor(programs, record)
     holders: dict[int, set[int]] = {}
     for spec in split.stages:
         for index in spec.param_inputs:
@@ -372,11 +377,14 @@ def _example_args(split: StageSplit, index: int, inputs: list[Any], batch_inputs
 
 def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_inputs: set[int],
                    microbatch: int, config: Config, record: CompiledGraph, names: list[str],
-                   device: torch.device) -> StageProgram:
+                   device: torch.device, path: str) -> StageProgram:
     spec = split.stages[index]
     args = _example_args(split, index, inputs, batch_inputs, microbatch)
+    # Inductor lowers the graphs traced with its own decompositions (zeroc's kernels need none).
+    decompositions = inductor_decompositions() if path == "inductor" else None
     with torch.enable_grad():  # a no_grad recompile still builds the training graphs
-        joint = aot_export_joint_simple(spec.gm, args, trace_joint=True)
+        joint = aot_export_joint_simple(spec.gm, args, trace_joint=True,
+                                        decompositions=decompositions)
     stage_name = f"{record.prefix}.s{index}"
     primal_names = [names[i] for i in (*spec.param_inputs, *spec.local_inputs)] + list(
         spec.in_keys)
@@ -399,8 +407,8 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     partition = (min_cut_rematerialization_partition if config.partitioner == "min_cut"
                  else default_partition)
     fw, bw = partition(joint, args, num_fwd_outputs=num_fwd)
-    fw = passes(fw, "forward", GRAPH_PASSES)
-    bw = passes(bw, "backward", GRAPH_PASSES)
+    fw = passes(fw, "forward", graph_passes(path))
+    bw = passes(bw, "backward", graph_passes(path))
     output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     record.saved_bytes += sum(tensor_bytes(n.meta.get("val"))
                               for n in output.args[0][num_fwd:] if isinstance(n, torch.fx.Node))
@@ -413,8 +421,14 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     if tangents != len(tangent_outputs):
         raise ValueError(f"zeroc pipeline: stage {index} has {tangents} output gradients in its "
                          f"joint graph but {len(tangent_outputs)} outputs that require one")
+    def inference_passes(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return passes(graph, "inference", graph_passes(path))
+
     return StageProgram(
-        inference=_LazyInference(spec.gm, args, lambda g: passes(g, "inference", GRAPH_PASSES)),
+        inference=_LazyInference(
+            spec.gm, args, inference_passes if path != "inductor" or PLANNING.simulated else
+            inductor_after(inference_passes, f"{stage_name}.inference", record),
+            decompositions),
         index=index, forward=fw, backward=bw, input_grad=split_bw.input_grad,
         weight_grad=split_bw.weight_grad, w_inputs=split_bw.w_inputs,
         num_input_grads=split_bw.num_input_grads, param_inputs=spec.param_inputs,
@@ -430,11 +444,13 @@ class _LazyInference:
     head gradients (``need_grad=False``)."""
 
     def __init__(self, stage_gm: torch.fx.GraphModule, args: list[Any],
-                 compile_graph: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]) -> None:
+                 compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
+                 decompositions: dict[Any, Any] | None = None) -> None:
         self.stage_gm = stage_gm
+        self.decompositions = decompositions
         self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         self.compile_graph = compile_graph
-        self.graph: torch.fx.GraphModule | None = None
+        self.graph: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
         if self.graph is None:
@@ -444,7 +460,8 @@ class _LazyInference:
                     node.args = (*node.args[:7], False)
             gm.recompile()
             with torch.no_grad():
-                traced = aot_export_joint_simple(gm, self.args, trace_joint=False)
+                traced = aot_export_joint_simple(gm, self.args, trace_joint=False,
+                                                 decompositions=self.decompositions)
             self.graph = self.compile_graph(traced)
             self.stage_gm = self.args = None  # type: ignore[assignment]
         return self.graph(*args)

@@ -37,6 +37,10 @@ class CompiledGraph:
     kernels: list[KernelInfo] = dataclasses.field(default_factory=list)
     collectives: list[CollectiveInfo] = dataclasses.field(default_factory=list)
     passes: list[PassInfo] = dataclasses.field(default_factory=list)
+    # Inductor's output code by graph name (kernels="inductor"), for reading and FileCheck.
+    output_code: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Graphs whose collectives Inductor ran in another order than zeroc's graph has them.
+    collectives_moved: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ The merged graph takes ``(forward args..., backward args...)`` and returns
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,9 +89,11 @@ def interleave(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
 
 
 class OverlappedGraph:
-    """A callable F&B graph with the count of its forward outputs."""
+    """A callable F&B graph with the count of its forward outputs.
 
-    def __init__(self, gm: torch.fx.GraphModule, num_forward_outputs: int) -> None:
+    ``gm`` is the merged ``GraphModule`` or what runs it (its Inductor-compiled form)."""
+
+    def __init__(self, gm: Callable[..., Any], num_forward_outputs: int) -> None:
         self.gm = gm
         self.num_forward_outputs = num_forward_outputs
 

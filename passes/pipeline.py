@@ -32,3 +32,12 @@ GRAPH_PASSES = (
     eliminate_dead_code,
     fusion,
 )
+
+
+def graph_passes(kernel_path: str) -> tuple:
+    """``GRAPH_PASSES`` for graphs compiled by ``kernel_path`` (see
+    ``zeroc.codegen.inductor_graphs.kernel_path``): Inductor fuses by itself, so its graphs
+    skip zeroc's fusion pass."""
+    if kernel_path == "inductor":
+        return tuple(p for p in GRAPH_PASSES if p is not fusion)
+    return GRAPH_PASSES

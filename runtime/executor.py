@@ -7,6 +7,7 @@ caller keeps no reference to inputs (saved activations) once the graph has run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -20,13 +21,17 @@ from zeroc.runtime.step_memory import tracking, tracking_scope
 class GraphExecutor:
     """Run a compiled functional ``GraphModule``; ``name`` is its name in the plan."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, name: str,
+                 run_boxed: Callable[[list[Any]], Any] | None = None) -> None:
         # An instance attribute, so that wrappers made with functools.wraps (Dynamo's
         # disable() around the backward) copy it and still call us boxed.
         self._boxed_call = True
         self.gm = gm
         self.name = name
         self.calls = 0
+        # What runs the graph: the GraphModule itself, or its compiled form (Inductor's),
+        # called with the boxed convention.
+        self.run_boxed = run_boxed
         self.communicates = any(
             n.op == "call_function" and n.target in ISSUE_OPS for n in gm.graph.nodes)
 
@@ -39,11 +44,16 @@ class GraphExecutor:
         with tracking_scope():
             return self._run(inputs)
 
+    def _call(self, inputs: list[Any]) -> Any:
+        if self.run_boxed is not None:
+            return self.run_boxed(inputs)
+        return self.gm(*inputs)
+
     def _run(self, inputs: list[Any]) -> Any:
         if not self.communicates:
-            return self.gm(*inputs)
+            return self._call(inputs)
         try:
-            return self.gm(*inputs)
+            return self._call(inputs)
         except RuntimeError as error:
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise CollectiveError(
