@@ -18,20 +18,50 @@ The loss is linear in what autograd sends back, so the backward is only ``grad_o
 etc. Invariant: this holds because the op's loss is a scalar (``reduction`` is ``"mean"`` or
 ``"sum"``); ``reduction="none"`` is not offered. Second derivatives are not supported.
 
-Numerics follow eager: logits in the dtype of ``h`` (a bf16 model multiplies in bf16), the
-log-sum-exp and the loss in float32 (the op's loss is always float32; ``linear_cross_entropy``
-returns it in ``h``'s dtype, as ``F.cross_entropy`` would), ``ignore_index`` rows contribute
-nothing, and a mean over zero counted rows is NaN as in ``F.cross_entropy``.
+Numerics follow eager under autocast (``F.cross_entropy(F.linear(h, W, b).float(), t)``):
+every matrix product -- the logits (bias added inside the product), ``grad_h``, ``grad_w`` --
+runs in the compute dtype of ``h`` and ``W`` (bf16 for a bf16 model; the hardware accumulates
+in float32); the log-sum-exp, loss and ``d loss / d logits`` are computed in float32 and the
+gradient is stored back in the compute dtype, as autocast's backward casts it for the linear.
+With several chunks the weight and bias gradients are summed in float32 and rounded once. The
+op's loss is always float32 (``linear_cross_entropy`` returns it in ``h``'s dtype, as
+``F.cross_entropy`` would), ``ignore_index`` rows contribute nothing, and a mean over zero
+counted rows is NaN as in ``F.cross_entropy``.
+
+Per chunk the non-matmul work is one kernel: on CUDA the Triton kernel of
+``zeroc.runtime.cross_entropy_triton`` (one read for an online log-sum-exp, one read and an
+in-place write of the gradient), elsewhere an upcast, a log-softmax, an in-place exp and
+scale, and a copy back (``_torch_chunk``).
+Environment ``ZEROC_CE_KERNEL`` (``auto``/``triton``/``torch``, see ``chunk_kernel_for``)
+overrides the choice; ``triton`` on CPU needs ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["linear_cross_entropy", "default_chunk_rows", "chunk_rows_for"]
+__all__ = ["linear_cross_entropy", "loss_and_grads", "chunk_kernel_for", "default_chunk_rows",
+           "chunk_rows_for"]
+
+logger = logging.getLogger(__name__)
 
 REDUCTIONS = ("mean", "sum")
+
+# Environment variable choosing the per-chunk kernel (see ``chunk_kernel_for``).
+KERNEL_ENV = "ZEROC_CE_KERNEL"
+CHUNK_KERNELS = ("auto", "triton", "torch")
+
+# Ways to add a compute-dtype product into a float32 weight gradient (``_accumulate_mm``),
+# best first, and the one that worked, per device type.
+_ACCUMULATE_ORDER = ("baddbmm", "mm_out_dtype", "cast")
+_accumulate_method: dict[str, str] = {}
 
 
 # Fewest rows a chunk gets when the weight allows it (see ``chunk_rows_for``).
@@ -73,6 +103,146 @@ def _check(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reducti
                          f"{tuple(weight.shape)}, {tuple(targets.shape)}")
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """``zeroc.runtime.cross_entropy_triton``, imported on first use; None without triton."""
+    try:
+        return importlib.import_module("zeroc.runtime.cross_entropy_triton")
+    except ImportError as exc:
+        logger.debug("zeroc::linear_cross_entropy: no Triton chunk kernel (%s)", exc)
+        return None
+
+
+def chunk_kernel_for(device: torch.device) -> str:
+    """``"triton"`` or ``"torch"``: the path a chunk's log-sum-exp, loss and gradient take.
+
+    Environment ``ZEROC_CE_KERNEL`` (read on every call): ``"auto"`` (default) runs the Triton
+    kernel on CUDA tensors when triton imports and torch ops elsewhere; ``"triton"`` always
+    runs the kernel (off CUDA only with ``TRITON_INTERPRET=1``: tests); ``"torch"`` never does.
+    """
+    choice = os.environ.get(KERNEL_ENV, "") or "auto"
+    if choice not in CHUNK_KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}; allowed: {', '.join(CHUNK_KERNELS)}")
+    if choice == "torch":
+        return "torch"
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _triton_kernels() is not None else "torch"
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(f"{KERNEL_ENV}=triton on a {device.type!r} tensor needs "
+                           "TRITON_INTERPRET=1 in the environment before triton is imported")
+    if _triton_kernels() is None:
+        raise RuntimeError(f"{KERNEL_ENV}=triton, but triton cannot be imported")
+    return "triton"
+
+
+def _torch_chunk(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                 scale: torch.Tensor, loss_out: torch.Tensor, need_grad: bool) -> None:
+    """``cross_entropy_chunk`` in torch ops: an upcast (none for float32), one log-softmax,
+    an in-place exp and scale, and one copy back into ``logits`` (the downcast)."""
+    counted = targets != ignore_index
+    safe_targets = torch.where(counted, targets, 0).unsqueeze(1)
+    log_probs = torch.log_softmax(logits.float(), 1)
+    nll = log_probs.gather(1, safe_targets).squeeze(1).neg_()
+    loss_out.copy_(nll.masked_fill_(~counted, 0.0))
+    if not need_grad:
+        return
+    probs = log_probs.exp_()
+    probs.scatter_add_(1, safe_targets, counted.to(probs.dtype).neg_().unsqueeze(1))
+    # where, not a product: a mean over no counted rows has scale inf, and 0 * inf is NaN.
+    logits.copy_(probs.mul_(torch.where(counted, scale, 0.0).unsqueeze(1)))
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for float32 ``acc`` and ``a``/``b`` in a narrower compute dtype, with
+    the product in the compute dtype. Tries, on CUDA, cuBLAS accumulating into ``acc`` itself
+    (``baddbmm`` with ``out_dtype``), then a float32-output product added to ``acc``; elsewhere,
+    and where those raise, a compute-dtype product (rounded once per chunk) added to ``acc``.
+    The first that works is remembered per device type."""
+    kind = acc.device.type
+    order = _ACCUMULATE_ORDER if kind == "cuda" else ("cast",)
+    for method in order[order.index(_accumulate_method.get(kind, order[0])):]:
+        try:
+            if method == "baddbmm":
+                acc3 = acc.unsqueeze(0)
+                torch.baddbmm(acc3, a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32,
+                              out=acc3)
+            elif method == "mm_out_dtype":
+                acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            else:
+                acc.add_(torch.mm(a, b))
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            if method == "cast":
+                raise
+            logger.debug("zeroc::linear_cross_entropy: %s accumulation unavailable on %s (%s)",
+                         method, kind, exc)
+            continue
+        _accumulate_method[kind] = method
+        return
+
+
+def loss_and_grads(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    ignore_index: int, reduction: str, chunk_rows: int, need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's body as a plain function: ``(loss, grad_h, grad_w, grad_b)`` as float32 loss
+    and gradients in the dtypes of ``h``, ``weight`` and ``bias`` (empty unless
+    ``need_grad``); ``chunk_rows=0`` picks ``chunk_rows_for``."""
+    _check(h, weight, targets, reduction, chunk_rows)
+    rows, width = h.shape
+    vocab = weight.shape[0]
+    if chunk_rows == 0:
+        chunk_rows = chunk_rows_for(rows, width, vocab)
+    chunks = max(1, -(-rows // chunk_rows))
+    kernel = chunk_kernel_for(h.device)
+    chunk_step = _triton_kernels().cross_entropy_chunk if kernel == "triton" else _torch_chunk
+    targets = targets.contiguous()
+    # F.cross_entropy divides by the number of counted rows (NaN when there are none).
+    count = (targets != ignore_index).sum().to(torch.float32)
+    scale = (1.0 / count) if reduction == "mean" else torch.ones((), dtype=torch.float32,
+                                                                      device=h.device)
+    # As autocast's F.linear: the bias in the compute dtype, added inside the product.
+    bias_c = bias.to(h.dtype) if bias is not None else None
+    loss_rows = torch.empty(rows, dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if need_grad else h.new_empty(0)
+    # One chunk writes the weight gradient in the compute dtype, as eager does; several add
+    # their products in float32 so the sum is rounded once (no rows: zeros).
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) \
+        if need_grad and (chunks > 1 or rows == 0) else weight.new_empty(0)
+    grad_b = torch.zeros(vocab, dtype=torch.float32, device=h.device) \
+        if need_grad and bias is not None else h.new_empty(0)
+    logger.debug("zeroc::linear_cross_entropy: %d rows in %d chunks, %s chunk kernel, %s",
+                 rows, chunks, kernel, h.dtype)
+    for start in range(0, rows, chunk_rows):
+        stop = min(start + chunk_rows, rows)
+        h_chunk = h[start:stop]
+        logits = torch.mm(h_chunk, weight.t()) if bias_c is None \
+            else torch.addmm(bias_c, h_chunk, weight.t())
+        chunk_step(logits, targets[start:stop], ignore_index, scale, loss_rows[start:stop],
+                   need_grad)
+        if not need_grad:
+            continue
+        # ``logits`` now holds d loss / d logits in the compute dtype.
+        torch.mm(logits, weight, out=grad_h[start:stop])
+        if chunks == 1:
+            grad_w = torch.mm(logits.t(), h_chunk)
+        elif grad_w.dtype == logits.dtype:
+            grad_w.addmm_(logits.t(), h_chunk)
+        else:
+            _accumulate_mm(grad_w, logits.t(), h_chunk)
+        if bias is not None:
+            grad_b += logits.sum(0, dtype=torch.float32)
+    loss = loss_rows.sum() * scale
+    if need_grad:
+        grad_w = grad_w.to(weight.dtype)
+        if bias is not None:
+            grad_b = grad_b.to(bias.dtype)
+    return loss, grad_h, grad_w, grad_b
+
+
 # An explicit schema: the same on every torch version, whatever it infers from annotations.
 _SCHEMA = ("(Tensor h, Tensor weight, Tensor? bias, Tensor targets, int ignore_index, "
            "str reduction, int chunk_rows, bool need_grad) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -84,51 +254,8 @@ def _linear_cross_entropy(
     ignore_index: int, reduction: str, chunk_rows: int, need_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, grad_h, grad_w, grad_b)``; the gradients are empty unless ``need_grad``."""
-    _check(h, weight, targets, reduction, chunk_rows)
-    rows = h.shape[0]
-    if chunk_rows == 0:
-        chunk_rows = chunk_rows_for(rows, h.shape[1], weight.shape[0])
-    counted = targets != ignore_index
-    # F.cross_entropy divides by the number of counted rows (NaN when there are none).
-    count = counted.sum().to(torch.float32)
-    scale = (1.0 / count) if reduction == "mean" else torch.ones((), dtype=torch.float32,
-                                                                      device=h.device)
-    loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-    grad_h = torch.empty_like(h) if need_grad else h.new_empty(0)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) \
-        if need_grad else weight.new_empty(0)
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) \
-        if need_grad and bias is not None else h.new_empty(0)
-    for start in range(0, rows, chunk_rows):
-        stop = min(start + chunk_rows, rows)
-        h_chunk = h[start:stop]
-        logits = h_chunk @ weight.t()
-        if bias is not None:
-            logits = logits + bias
-        logits = logits.float()
-        chunk_targets = targets[start:stop]
-        chunk_counted = counted[start:stop]
-        safe_targets = torch.where(chunk_counted, chunk_targets, 0).unsqueeze(1)
-        lse = torch.logsumexp(logits, dim=1)
-        target_logit = logits.gather(1, safe_targets).squeeze(1)
-        loss_sum += torch.where(chunk_counted, lse - target_logit, 0.0).sum()
-        if not need_grad:
-            continue
-        # d loss / d logits = (softmax - one_hot(target)) * scale, zero on ignored rows.
-        probs = logits.sub_(lse.unsqueeze(1)).exp_()
-        probs.scatter_add_(1, safe_targets, -chunk_counted.to(probs.dtype).unsqueeze(1))
-        probs.mul_((chunk_counted.to(probs.dtype) * scale).unsqueeze(1))
-        grad_logits = probs.to(h.dtype)
-        grad_h[start:stop] = grad_logits @ weight
-        grad_w.addmm_(grad_logits.t().to(grad_w.dtype), h_chunk.to(grad_w.dtype))
-        if bias is not None:
-            grad_b += probs.sum(0)
-    loss = loss_sum * scale
-    if need_grad:
-        grad_w = grad_w.to(weight.dtype)
-        if bias is not None:
-            grad_b = grad_b.to(bias.dtype)
-    return loss, grad_h, grad_w, grad_b
+    return loss_and_grads(h, weight, bias, targets, ignore_index, reduction, chunk_rows,
+                          need_grad)
 
 
 @_linear_cross_entropy.register_fake
