@@ -7,6 +7,11 @@ graph holds. Composite ops (softmax, log-softmax, layer norm and their backwards
 out with the same formulas as the aten CPU kernels. ``OP_KIND`` says what the fusion pass may
 do with a node: ``"pointwise"``, ``"reduction"`` (over the last dimension), ``"view"``
 (same elements, new shape), ``"identity"`` (same values) or ``"broadcast"`` (expand).
+
+Ops built on max/min (``relu``, ``clamp*``, ``hardtanh``, ``maximum``/``minimum``,
+``amax``/``amin``) lower to the IR's ``maximum``/``minimum`` and ``max``/``min`` reductions,
+which ``triton_emit`` makes propagate NaN as eager does; comparisons with NaN are false, so
+``threshold``, ``where`` and the backward masks treat NaN as eager's formulas do.
 """
 
 from __future__ import annotations
@@ -195,6 +200,24 @@ def _silu_backward(b: IRBuilder, grad: str, x: str) -> str:
     return b.op("mul", grad, b.op("mul", s, b.op("add", 1.0, b.op("mul", x, b.op("sub", 1.0, s)))))
 
 
+def _clamp(b: IRBuilder, x: str, lo: object = None, hi: object = None) -> str:
+    """``torch.clamp``: ``min(max(x, lo), hi)``; NaN in ``x`` or a bound gives NaN, and
+    ``lo > hi`` gives ``hi``, as eager does (the emitter's max/min propagate NaN)."""
+    out = x if lo is None else b.op("maximum", x, lo)
+    return out if hi is None else b.op("minimum", out, hi)
+
+
+def _hardtanh_backward(b: IRBuilder, grad: str, x: str, lo: float, hi: float) -> str:
+    """Zero outside ``(lo, hi)``. A NaN ``x`` passes the gradient, as CUDA's kernel and torch's
+    decomposition do (CPU eager's vectorized loop gives 0 there, its scalar loop the grad)."""
+    outside = b.op("or", b.op("le", x, lo), b.op("ge", x, hi))
+    return b.op("where", outside, 0.0, grad)
+
+
+def _logical(fn: str) -> Rule:
+    return lambda b, x, y: b.op(fn, _cast(b, b.val(x), torch.bool), _cast(b, b.val(y), torch.bool))
+
+
 def _binary(fn: str) -> Rule:
     return lambda b, x, y: b.op(fn, x, y)
 
@@ -222,6 +245,16 @@ POINTWISE_RULES: dict[object, Rule] = {
     aten.tanh.default: _unary("tanh"), aten.erf.default: _unary("erf"),
     aten.logical_not.default: _unary("not"),
     aten.relu.default: lambda b, x: b.op("maximum", x, 0.0),
+    aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,
+    aten.clamp_min.default: lambda b, x, lo: _clamp(b, x, lo),
+    aten.clamp_min.Tensor: lambda b, x, lo: _clamp(b, x, lo),
+    aten.clamp_max.default: lambda b, x, hi: _clamp(b, x, None, hi),
+    aten.clamp_max.Tensor: lambda b, x, hi: _clamp(b, x, None, hi),
+    aten.hardtanh.default: lambda b, x, lo=-1.0, hi=1.0: _clamp(b, x, lo, hi),
+    aten.hardtanh_backward.default: _hardtanh_backward,
+    aten.threshold.default: lambda b, x, t, value: b.op("where", b.op("le", x, t), value, x),
+    aten.isnan.default: lambda b, x: b.op("ne", x, x),
+    aten.logical_and.default: _logical("and"), aten.logical_or.default: _logical("or"),
     aten.silu.default: lambda b, x: b.op("mul", x, b.op("sigmoid", x)),
     aten.gelu.default: _gelu,
     aten.gelu_backward.default: _gelu_backward,

@@ -1,25 +1,50 @@
-"""Launch parameters of generated kernels, autotuned on a GPU and persisted.
+"""Launch parameters of generated kernels: one default, or autotuned on a GPU and persisted.
 
-On a GPU the first call of a kernel times a few block configurations with
-``triton.testing.do_bench`` and keeps the fastest; the winner is stored in
-``<cache_dir>/autotune/<source hash>.json`` (keyed by the problem size) so later processes
-skip the search. On CPU (the Triton interpreter) the sizes are fixed and large: the
-interpreter's cost grows with the number of program instances, not with their size.
+Which configuration a kernel launches with (:func:`choose_config`):
+
+* off a GPU (the Triton interpreter on CPU) the fixed :func:`interpreter_config`: large tiles,
+  since the interpreter's cost grows with the number of program instances, not their size;
+* on a GPU with ``kernel_autotune=False`` (the default) the first of :func:`gpu_candidates`,
+  with no timing at all;
+* on a GPU with ``kernel_autotune=True`` (or ``mode="max-autotune"``) the fastest candidate,
+  timed once with ``triton.testing.do_bench`` (:func:`benchmark`) and persisted.
+
+A tuned winner is stored under a :class:`TuneKey`: the kernel's source hash (which includes the
+torch and triton versions), the GPU's name, the kernel's input and output dtypes, and its
+*shape class*: the power-of-two bucket of the problem, ``n<next_pow2(numel)>`` for a pointwise
+kernel and ``r<next_pow2(rows)>c<next_pow2(cols)>`` for a reduction. All problems of one class
+have the same candidate list (the tiles depend only on those powers of two), so a winner is
+valid, and close to best, for every size of its class: a new batch size or sequence length
+in the same bucket reuses it without timing.
+
+Records live in ``<cache_dir>/autotune/<hash of the key>.json`` as ``{"format", "key",
+"config"}``; a record is used only when its key equals the one looked up and its config is one
+of this kernel's candidates. A corrupt or mismatching record is ignored with a warning and
+replaced by the next tuning. Winners are also kept in memory per process
+(:func:`clear_memory_cache` empties it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
-import tempfile
 from collections.abc import Callable
 
-from zeroc.codegen.compile_cache import resolve_cache_dir
+import torch
+
+from zeroc.codegen.cache_files import atomic_write, private_dir, read_json
 from zeroc.codegen.kernel_ir import KernelIR
+
+logger = logging.getLogger(__name__)
 
 INTERPRETER_TILE = 16384
 GPU_MAX_TILE = 16384
+RECORD_FORMAT = 1
+
+_memory: dict[TuneKey, LaunchConfig] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,10 +73,32 @@ class LaunchConfig:
         return {**dict(self.blocks), "num_warps": self.num_warps}
 
     @staticmethod
-    def from_json(data: dict[str, int]) -> LaunchConfig:
-        """Inverse of :meth:`to_json`."""
-        blocks = tuple((k, int(v)) for k, v in data.items() if k != "num_warps")
-        return LaunchConfig(blocks, int(data.get("num_warps", 4)))
+    def from_json(data: object) -> LaunchConfig:
+        """Inverse of :meth:`to_json`; raises ValueError for anything else."""
+        if not isinstance(data, dict) or not all(
+                isinstance(k, str) and type(v) is int and v > 0 for k, v in data.items()):
+            raise ValueError(f"launch config {data!r} is not a dict of positive ints")
+        blocks = tuple((k, v) for k, v in data.items() if k != "num_warps")
+        return LaunchConfig(blocks, data.get("num_warps", 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneKey:
+    """What a tuned winner is valid for (see the module docstring)."""
+
+    source_hash: str
+    device: str
+    dtypes: str
+    shape_class: str
+
+    def to_json(self) -> dict[str, str]:
+        """The key as a JSON-able dict."""
+        return dataclasses.asdict(self)
+
+    def file_name(self) -> str:
+        """The record's file name: a hash of the whole key."""
+        text = json.dumps(self.to_json(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"
 
 
 def grid(ir: KernelIR, config: LaunchConfig) -> tuple[int]:
@@ -74,7 +121,7 @@ def interpreter_config(ir: KernelIR) -> LaunchConfig:
 
 
 def gpu_candidates(ir: KernelIR) -> list[LaunchConfig]:
-    """The block configurations tried on a GPU, most likely winner first."""
+    """The block configurations tried on a GPU, the default (most likely winner) first."""
     if ir.kind == "pointwise":
         return [LaunchConfig((("BLOCK", b),), w)
                 for b, w in ((1024, 4), (512, 4), (2048, 8), (4096, 8))]
@@ -98,64 +145,102 @@ def gpu_candidates(ir: KernelIR) -> list[LaunchConfig]:
 
 
 def default_config(ir: KernelIR, on_gpu: bool) -> LaunchConfig:
-    """The configuration used before (or without) autotuning."""
+    """The configuration launched without autotuning."""
     return gpu_candidates(ir)[0] if on_gpu else interpreter_config(ir)
 
 
-def _store_path(cache_dir: str | None, key: str) -> str:
-    return os.path.join(resolve_cache_dir(cache_dir), "autotune", f"{key}.json")
+def is_gpu(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run on a GPU (anything else runs in the interpreter)."""
+    return device.type == "cuda"
 
 
-def problem_key(ir: KernelIR) -> str:
-    """The size part of an autotune key."""
-    return f"{ir.rows}x{ir.cols}"
+def device_name(device: torch.device) -> str:
+    """The GPU's name (e.g. ``"NVIDIA H100 80GB HBM3"``), part of every tuning key."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
 
 
-def load_tuned(cache_dir: str | None, key: str, problem: str) -> LaunchConfig | None:
-    """The persisted winner for kernel ``key`` at size ``problem``, if any."""
-    path = _store_path(cache_dir, key)
-    try:
-        with open(path) as handle:
-            table = json.load(handle)
-    except (OSError, ValueError):
+def shape_class(ir: KernelIR) -> str:
+    """The power-of-two bucket of ``ir``'s problem size (see the module docstring)."""
+    if ir.kind == "pointwise":
+        return f"n{next_power_of_2(ir.numel)}"
+    return f"r{next_power_of_2(ir.rows)}c{next_power_of_2(ir.cols)}"
+
+
+def tune_key(ir: KernelIR, source_hash: str, device: torch.device) -> TuneKey:
+    """The key of ``ir``'s tuned winner on ``device``."""
+    dtypes = (",".join(s.dtype for s in ir.inputs) + "->"
+              + ",".join(s.dtype for s in ir.outputs))
+    return TuneKey(source_hash, device_name(device), dtypes, shape_class(ir))
+
+
+def clear_memory_cache() -> None:
+    """Forget the winners found or read in this process (the records on disk stay)."""
+    _memory.clear()
+
+
+def _record_path(cache_dir: str | None, key: TuneKey) -> str:
+    return os.path.join(private_dir(cache_dir, "autotune"), key.file_name())
+
+
+def load_tuned(cache_dir: str | None, key: TuneKey, ir: KernelIR) -> LaunchConfig | None:
+    """The winner for ``key``: from memory, else from its record when that is valid."""
+    if key in _memory:
+        return _memory[key]
+    path = _record_path(cache_dir, key)
+    record = read_json(path)
+    if record is None:
         return None
-    entry = table.get(problem)
-    return LaunchConfig.from_json(entry) if isinstance(entry, dict) else None
-
-
-def save_tuned(cache_dir: str | None, key: str, problem: str, config: LaunchConfig) -> None:
-    """Persist ``config`` as the winner for kernel ``key`` at size ``problem``."""
-    path = _store_path(cache_dir, key)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        with open(path) as handle:
-            table = json.load(handle)
-    except (OSError, ValueError):
-        table = {}
-    table[problem] = config.to_json()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(table, handle, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+        if not isinstance(record, dict):
+            raise ValueError(f"a record must be a JSON object, not {record!r}")
+        if record.get("format") != RECORD_FORMAT:
+            raise ValueError(f"format {record.get('format')!r} is not {RECORD_FORMAT}")
+        if record.get("key") != key.to_json():
+            raise ValueError(f"key {record.get('key')!r} is not {key.to_json()!r}")
+        config = LaunchConfig.from_json(record.get("config"))
+        if config not in gpu_candidates(ir):
+            raise ValueError(f"config {config.to_json()} is not a candidate of this kernel")
+    except ValueError as exc:
+        logger.warning("zeroc autotune: ignoring the record %s (%s); it will be replaced",
+                       path, exc)
+        return None
+    _memory[key] = config
+    return config
 
 
-def autotune(ir: KernelIR, key: str, cache_dir: str | None,
+def save_tuned(cache_dir: str | None, key: TuneKey, config: LaunchConfig) -> str:
+    """Persist ``config`` as the winner for ``key`` (atomically); return the record's path."""
+    path = _record_path(cache_dir, key)
+    record = {"format": RECORD_FORMAT, "key": key.to_json(), "config": config.to_json()}
+    atomic_write(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    _memory[key] = config
+    return path
+
+
+def benchmark(fn: Callable[[], object]) -> float:
+    """Milliseconds one call of ``fn`` takes on the GPU (``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=20))
+
+
+def autotune(ir: KernelIR, key: TuneKey, cache_dir: str | None,
              launch: Callable[[LaunchConfig], object]) -> LaunchConfig:
-    """Time every GPU candidate with ``launch(config)``, persist and return the fastest.
+    """The winner for ``key``: persisted, or found by timing every GPU candidate with
+    ``launch(config)`` and then persisted.
 
     A configuration that fails to compile or run (e.g. too many registers) is skipped.
     """
-    from triton.testing import do_bench
-
-    problem = problem_key(ir)
-    cached = load_tuned(cache_dir, key, problem)
+    cached = load_tuned(cache_dir, key, ir)
     if cached is not None:
         return cached
     best: tuple[float, LaunchConfig] | None = None
     failures: list[str] = []
     for config in gpu_candidates(ir):
         try:
-            ms = do_bench(lambda config=config: launch(config), warmup=5, rep=20)
+            ms = benchmark(lambda config=config: launch(config))
         except Exception as exc:  # noqa: BLE001 - a config that cannot run is not a candidate
             failures.append(f"{config.to_json()}: {exc}")
             continue
@@ -163,5 +248,19 @@ def autotune(ir: KernelIR, key: str, cache_dir: str | None,
             best = (ms, config)
     if best is None:
         raise RuntimeError(f"kernel {ir.name}: no launch configuration ran: {failures}")
-    save_tuned(cache_dir, key, problem, best[1])
+    path = save_tuned(cache_dir, key, best[1])
+    logger.info("zeroc autotune: %s %s -> %s (%.4f ms), saved to %s", ir.name, key.shape_class,
+                best[1].to_json(), best[0], path)
     return best[1]
+
+
+def choose_config(ir: KernelIR, device: torch.device, tune: bool, key: TuneKey | None,
+                  cache_dir: str | None,
+                  launch: Callable[[LaunchConfig], object]) -> LaunchConfig:
+    """The configuration a kernel launches with on ``device`` (the rules of the module
+    docstring); ``tune`` is the ``kernel_autotune`` option, ``key`` its tuning key."""
+    if not is_gpu(device):
+        return interpreter_config(ir)
+    if not tune or key is None:
+        return default_config(ir, on_gpu=True)
+    return autotune(ir, key, cache_dir, launch)

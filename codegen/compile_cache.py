@@ -2,31 +2,40 @@
 
 ``@triton.jit`` reads the source of the function it decorates, so every generated kernel is
 written to a real ``.py`` file under ``<cache_dir>/kernels/`` named by a hash of the source and
-the torch and triton versions, then imported with importlib. A module is imported once per
-process; a file already on disk is reused, never rewritten.
+the torch and triton versions. The name is predictable, so the file is never trusted: before a
+module is imported, the file's content must hash to the source zeroc just generated; a file
+that differs (another version's, a corrupt one, or one planted there) is replaced atomically
+with a warning, and the module then runs the verified source text itself, not a re-read of the
+file. The cache directories are private (``zeroc.codegen.cache_files``: mode 0o700, owned by
+the user, refused otherwise). A module is imported once per process.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import logging
 import os
 import sys
-import tempfile
 import threading
 import types
 
 import torch
 
-DEFAULT_CACHE_DIR = "~/.cache/zeroc"
+from zeroc.codegen.cache_files import (
+    DEFAULT_CACHE_DIR,
+    atomic_write,
+    private_dir,
+    read_text,
+    resolve_cache_dir,
+)
+
+__all__ = ["DEFAULT_CACHE_DIR", "kernel_path", "load_kernel", "load_module", "resolve_cache_dir",
+           "source_hash", "triton_version", "write_source"]
+
+logger = logging.getLogger(__name__)
 
 _modules: dict[str, types.ModuleType] = {}
 _lock = threading.Lock()
-
-
-def resolve_cache_dir(cache_dir: str | None) -> str:
-    """The absolute cache directory (``~`` expanded); ``None`` means the default."""
-    return os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
 
 
 def triton_version() -> str:
@@ -47,31 +56,37 @@ def source_hash(source: str) -> str:
     return digest.hexdigest()[:20]
 
 
+def content_hash(text: str) -> str:
+    """SHA-256 (hex) of ``text`` as UTF-8: what a cached file must match."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def kernel_path(source: str, cache_dir: str | None) -> str:
     """Where the source file of a kernel lives in the cache."""
     return os.path.join(resolve_cache_dir(cache_dir), "kernels", f"k{source_hash(source)}.py")
 
 
 def write_source(source: str, cache_dir: str | None) -> str:
-    """Write ``source`` to its cache file if it is not there yet; return the path.
+    """Make the cache file of ``source`` hold exactly ``source``; return its path.
 
-    Writes go to a temporary file in the same directory and are renamed into place, so a
-    concurrent reader never sees a half-written file.
+    An existing file whose content hash equals ``source``'s is kept; anything else there is
+    replaced through a temporary file renamed into place (a concurrent reader never sees a
+    half-written file). Raises OptionError when the cache directory is not private.
     """
-    path = kernel_path(source, cache_dir)
-    if os.path.exists(path):
+    directory = private_dir(cache_dir, "kernels")
+    path = os.path.join(directory, f"k{source_hash(source)}.py")
+    found = None if os.path.islink(path) else read_text(path)
+    if found is not None and content_hash(found) == content_hash(source):
         return path
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(source)
-    os.replace(tmp, path)
+    if os.path.lexists(path):
+        logger.warning("zeroc: kernel cache file %s does not hold the source zeroc generated "
+                       "for it (corrupt, or written by something else); rewriting it", path)
+    atomic_write(path, source)
     return path
 
 
 def load_module(source: str, cache_dir: str | None) -> types.ModuleType:
-    """Import the module holding ``source`` (writing its file first when needed)."""
+    """Import the module holding ``source`` (its cache file verified or rewritten first)."""
     key = source_hash(source)
     with _lock:
         module = _modules.get(key)
@@ -79,12 +94,17 @@ def load_module(source: str, cache_dir: str | None) -> types.ModuleType:
             return module
         path = write_source(source, cache_dir)
         name = f"zeroc_kernels.k{key}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot import generated kernel module from {path}")
-        module = importlib.util.module_from_spec(spec)
+        module = types.ModuleType(name)
+        module.__file__ = path
+        # Run the text just verified, not the file again: what runs is what zeroc generated.
+        # ``triton.jit`` reads the function's source back from ``path`` (equal to it).
+        code = compile(source, path, "exec")
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            exec(code, module.__dict__)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
         _modules[key] = module
         return module
 

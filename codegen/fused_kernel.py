@@ -18,6 +18,8 @@ from zeroc.codegen import autotune
 from zeroc.codegen.compile_cache import load_kernel, source_hash
 from zeroc.codegen.kernel_ir import KernelIR
 from zeroc.runtime.errors import OptionError
+from zeroc.runtime.plan import record_launch
+from zeroc.runtime.records import KernelInfo
 
 KERNEL_BACKENDS = ("auto", "triton", "aten")
 
@@ -64,10 +66,12 @@ class FusedKernel:
     ``backend`` is ``"triton"`` or ``"aten"`` (see :func:`choose_backend`). ``aten_graph``
     computes the same outputs from the same inputs with the original aten ops; it also runs
     for fake tensors (shape propagation) and for tensors on a device Triton cannot use.
+    ``tune`` is the ``kernel_autotune`` option; ``info`` the kernel's plan record, set by
+    the fusion pass, which gets the launched configuration after the first launch.
     """
 
     def __init__(self, ir: KernelIR, source: str, aten_graph: torch.fx.GraphModule,
-                 backend: str, cache_dir: str | None) -> None:
+                 backend: str, cache_dir: str | None, tune: bool = False) -> None:
         self.ir = ir
         self.source = source
         self.source_hash = source_hash(source)
@@ -76,6 +80,8 @@ class FusedKernel:
         self.cache_dir = cache_dir
         self.__name__ = ir.name
         self.__qualname__ = ir.name
+        self.tune = tune
+        self.info: KernelInfo | None = None
         self._config: autotune.LaunchConfig | None = None
 
     def __repr__(self) -> str:
@@ -132,24 +138,33 @@ class FusedKernel:
     def _pick_config(self, args: list[torch.Tensor]) -> autotune.LaunchConfig:
         if self._config is not None:
             return self._config
-        if args[0].device.type != "cuda":
-            self._config = autotune.interpreter_config(self.ir)
-            return self._config
-        outputs = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype),
-                               device=args[0].device) for spec in self.ir.outputs]
-        self._config = autotune.autotune(
-            self.ir, self.source_hash, self.cache_dir,
-            lambda config: self._run(args, outputs, config))
+        device = args[0].device
+        key = (autotune.tune_key(self.ir, self.source_hash, device)
+               if self.tune and autotune.is_gpu(device) else None)
+        scratch: list[torch.Tensor] = []  # outputs of the timed launches, made if tuning
+
+        def trial(config: autotune.LaunchConfig) -> None:
+            if not scratch:
+                scratch.extend(torch.empty(spec.shape, dtype=getattr(torch, spec.dtype),
+                                           device=device) for spec in self.ir.outputs)
+            self._run(args, scratch, config)
+
+        self._config = autotune.choose_config(self.ir, device, self.tune, key, self.cache_dir,
+                                              trial)
+        if self.info is not None:
+            record_launch(self.info, tuple(self._config.to_json().items()))
         return self._config
 
-    def launch_config(self, on_gpu: bool) -> autotune.LaunchConfig:
-        """The launch parameters to report: the persisted autotune winner when there is one,
-        else the default for the device kind."""
+    def planned_config(self, device: torch.device) -> autotune.LaunchConfig:
+        """The configuration the first launch on ``device`` is expected to use, for the plan
+        before any launch: the launched one once there was a launch; else the persisted winner
+        when tuning and one exists (read, never timed); else the default for the device."""
         if self._config is not None:
             return self._config
-        if on_gpu:
-            tuned = autotune.load_tuned(self.cache_dir, self.source_hash,
-                                        autotune.problem_key(self.ir))
+        on_gpu = autotune.is_gpu(device)
+        if on_gpu and self.tune and torch.cuda.is_available():
+            key = autotune.tune_key(self.ir, self.source_hash, device)
+            tuned = autotune.load_tuned(self.cache_dir, key, self.ir)
             if tuned is not None:
                 return tuned
         return autotune.default_config(self.ir, on_gpu)

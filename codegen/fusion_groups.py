@@ -275,9 +275,21 @@ def _creates_cycle(first: Group, second: Group, group_of: dict[torch.fx.Node, Gr
     return False
 
 
+def _merged_space(first: Group, second: Group) -> tuple[int, int] | None:
+    """The iteration space of ``first`` and ``second`` merged: their common one, or, for a
+    group of per-row values (``rows x 1``, e.g. ``rstd / cols`` in a layer-norm backward) and
+    a group with the same rows, the wider one; None when they cannot share one."""
+    if (first.rows, first.cols) == (second.rows, second.cols):
+        return first.rows, first.cols
+    if first.rows == second.rows and min(first.cols, second.cols) == 1:
+        return first.rows, max(first.cols, second.cols)
+    return None
+
+
 def merge_groups(graph: torch.fx.Graph, groups: list[Group]) -> list[Group]:
-    """Merge groups of one iteration space when one feeds the other or both read the same
-    tensor, and the merged group still fits and creates no cycle."""
+    """Merge groups of one iteration space (or a per-row group into a wider group of the same
+    rows) when one feeds the other or both read the same tensor, and the merged group still
+    fits and creates no cycle."""
     position = {n: i for i, n in enumerate(graph.nodes)}
     changed = True
     while changed:
@@ -294,12 +306,11 @@ def merge_groups(graph: torch.fx.Graph, groups: list[Group]) -> list[Group]:
                     elif other is not group:
                         neighbours.append(other)
             for other in dict.fromkeys(neighbours):
-                if (other.rows, other.cols) != (group.rows, group.cols):
-                    continue
-                if _creates_cycle(group, other, group_of):
+                space = _merged_space(group, other)
+                if space is None or _creates_cycle(group, other, group_of):
                     continue
                 nodes = sorted(group.nodes + other.nodes, key=position.__getitem__)
-                merged = _rebuild(nodes, group.rows, group.cols, group.gid)
+                merged = _rebuild(nodes, *space, group.gid)
                 if merged is None:
                     continue
                 groups = [merged if g is group else g for g in groups if g is not other]

@@ -9,6 +9,14 @@ recomputed in every loop that needs them, as Inductor's looped reductions do).
 Only core ``tl`` math is used (exp, log, sqrt, rsqrt, erf, sigmoid, sum/max, where) so the
 same source runs under ``TRITON_INTERPRET=1``; tanh is ``2 * sigmoid(2x) - 1``. Every value is
 computed in fp32 and converted to the output dtype when stored.
+
+NaN and infinities follow eager PyTorch. ``tl.maximum``/``tl.minimum`` return the non-NaN
+operand and ``tl.max``/``tl.min`` skip NaN, whereas ``torch.maximum``, ``relu``, ``clamp`` and
+``amax`` return NaN when an operand (a row element) is NaN. So pointwise max/min pass
+``propagate_nan=tl.PropagateNan.ALL``, and a max/min reduction also counts the NaNs of its row
+(an integer ``tl.max`` of ``x != x``, fast in the interpreter too) and returns NaN for a row
+that has one. Masked-off columns hold the reduction's identity (``-inf`` for max, ``inf`` for
+min), so rows of infinities reduce as eager does.
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ _UNARY_TL = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "rsqrt": "tl.r
              "abs": "tl.abs", "sigmoid": "tl.sigmoid", "erf": "tl.erf"}
 _REDUCE_INIT = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")'}
 _REDUCE_TL = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}
-_REDUCE_COMBINE = {"sum": "{acc} + {x}", "max": "tl.maximum({acc}, {x})",
-                   "min": "tl.minimum({acc}, {x})"}
+_NAN = "tl.PropagateNan.ALL"
+_REDUCE_COMBINE = {"sum": "{acc} + {x}",
+                   "max": "tl.maximum({acc}, {x}, propagate_nan=" + _NAN + ")",
+                   "min": "tl.minimum({acc}, {x}, propagate_nan=" + _NAN + ")"}
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
 INDEX_32BIT_LIMIT = 2**31 - 1
@@ -64,14 +74,26 @@ def pointwise_expr(fn: str, args: tuple[str, ...], full_shape: str) -> str:
         "reciprocal": "(1.0 / {0})",
         "tanh": "(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
         "not": "({0} == 0)",
-        "maximum": "tl.maximum({0}, {1})",
-        "minimum": "tl.minimum({0}, {1})",
+        "maximum": "tl.maximum({0}, {1}, propagate_nan=" + _NAN + ")",
+        "minimum": "tl.minimum({0}, {1}, propagate_nan=" + _NAN + ")",
         "where": "tl.where({0}, {1}, {2})",
         "round_float16": "{0}.to(tl.float16).to(tl.float32)",
         "round_bfloat16": "{0}.to(tl.bfloat16).to(tl.float32)",
         "broadcast": "tl.broadcast_to({0}, " + full_shape + ")",
     }
     return table[fn].format(*args)
+
+
+def reduce_expr(fn: str, x: str) -> str:
+    """The per-row (``[BLOCK_R, 1]``) reduction ``fn`` of the 2-D tile ``x`` along columns.
+
+    ``max``/``min`` return NaN for a row holding a NaN, as ``torch.amax``/``amin`` do.
+    """
+    reduced = f"{_REDUCE_TL[fn]}({x}, 1)[:, None]"
+    if fn == "sum":
+        return reduced
+    has_nan = f"tl.max(tl.where({x} != {x}, 1, 0), 1)[:, None] > 0"
+    return f"tl.where({has_nan}, float(\"nan\"), {reduced})"
 
 
 def _signature(ir: KernelIR, extra: str) -> list[str]:
@@ -98,7 +120,17 @@ def _stmt_line(ir: KernelIR, stmt: Stmt, index: dict[str, tuple[str, str]],
     if isinstance(stmt, Pointwise):
         return f"{stmt.out} = {pointwise_expr(stmt.fn, stmt.args, full_shape)}"
     masked = f"tl.where(mask, {stmt.arg}, {_REDUCE_INIT[stmt.fn]})"
-    return f"{stmt.out} = {_REDUCE_TL[stmt.fn]}({masked}, 1)[:, None]"
+    if stmt.fn == "sum":
+        return f"{stmt.out} = {reduce_expr(stmt.fn, masked)}"
+    # max/min read the masked tile twice (values and NaN count): name it once.
+    return f"{stmt.out}_x = {masked}\n{stmt.out} = {reduce_expr(stmt.fn, stmt.out + '_x')}"
+
+
+def _stmt_lines(ir: KernelIR, stmts: list[Stmt] | tuple[Stmt, ...],
+                index: dict[str, tuple[str, str]], full_shape: str, indent: str) -> list[str]:
+    """The source lines of ``stmts``, each indented by ``indent``."""
+    return [indent + line for s in stmts
+            for line in _stmt_line(ir, s, index, full_shape).split("\n")]
 
 
 def _store_line(ir: KernelIR, output: int, value: str, index: dict[str, tuple[str, str]],
@@ -117,7 +149,7 @@ def emit_pointwise(ir: KernelIR) -> str:
         pid += ".to(tl.int64)"
     lines += [f"    offs = {pid} * BLOCK + tl.arange(0, BLOCK)", "    mask = offs < numel"]
     index = {"full": ("offs", "mask"), "row": ("offs // C", "mask"), "col": ("offs % C", "mask")}
-    lines += ["    " + _stmt_line(ir, s, index, "[BLOCK]") for s in ir.body]
+    lines += _stmt_lines(ir, ir.body, index, "[BLOCK]", "    ")
     lines += ["    " + _store_line(ir, st.output, st.value, index, "[BLOCK]") for st in ir.stores]
     return HEADER + "\n".join(lines) + "\n"
 
@@ -140,7 +172,7 @@ def emit_persistent(ir: KernelIR) -> str:
     lines += _row_prologue(ir)
     lines += ["    cols = tl.arange(0, BLOCK_C)[None, :]", "    cmask = cols < C",
               "    mask = rmask & cmask"]
-    lines += ["    " + _stmt_line(ir, s, _ROW_INDEX, _FULL) for s in ir.body]
+    lines += _stmt_lines(ir, ir.body, _ROW_INDEX, _FULL, "    ")
     for st in ir.stores:
         shape = _FULL if ir.outputs[st.output].access == "full" else "[BLOCK_R, 1]"
         lines.append("    " + _store_line(ir, st.output, st.value, _ROW_INDEX, shape))
@@ -178,8 +210,8 @@ def emit_looped(ir: KernelIR) -> str:
     lines = _signature(ir, "R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr")
     lines += _row_prologue(ir)
     for stage in range(n_stages + 1):
-        lines += ["    " + _stmt_line(ir, s, _ROW_INDEX, _FULL)
-                  for s in row_stmts if stages[s.out] == stage]
+        lines += _stmt_lines(ir, [s for s in row_stmts if stages[s.out] == stage], _ROW_INDEX,
+                             _FULL, "    ")
         if stage == n_stages:
             break
         loop_reduces = [r for r in reduces if stages[r.arg] == stage]
@@ -187,19 +219,19 @@ def emit_looped(ir: KernelIR) -> str:
             init = _REDUCE_INIT[r.fn]
             lines.append(f"    acc_{r.out} = tl.full({_FULL}, {init}, tl.float32)")
         lines += _loop_header("    ")
-        for s in _column_closure(ir, [r.arg for r in loop_reduces], levels):
-            lines.append("        " + _stmt_line(ir, s, _ROW_INDEX, _FULL))
+        lines += _stmt_lines(ir, _column_closure(ir, [r.arg for r in loop_reduces], levels),
+                             _ROW_INDEX, _FULL, "        ")
         for r in loop_reduces:
             x = f"tl.where(mask, tl.broadcast_to({r.arg}, {_FULL}), {_REDUCE_INIT[r.fn]})"
             combined = _REDUCE_COMBINE[r.fn].format(acc=f"acc_{r.out}", x=x)
             lines.append(f"        acc_{r.out} = {combined}")
         for r in loop_reduces:
-            lines.append(f"    {r.out} = {_REDUCE_TL[r.fn]}(acc_{r.out}, 1)[:, None]")
+            lines.append(f"    {r.out} = {reduce_expr(r.fn, 'acc_' + r.out)}")
     full_stores = [st for st in ir.stores if ir.outputs[st.output].access == "full"]
     if full_stores:
         lines += _loop_header("    ")
-        for s in _column_closure(ir, [st.value for st in full_stores], levels):
-            lines.append("        " + _stmt_line(ir, s, _ROW_INDEX, _FULL))
+        lines += _stmt_lines(ir, _column_closure(ir, [st.value for st in full_stores], levels),
+                             _ROW_INDEX, _FULL, "        ")
         for st in full_stores:
             lines.append("        " + _store_line(ir, st.output, st.value, _ROW_INDEX, _FULL))
     for st in ir.stores:

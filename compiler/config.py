@@ -35,10 +35,17 @@ class Config:
         row chunks with ``zeroc::linear_cross_entropy``, never materializing the logits.
     partitioner: "min_cut" (recompute cheap ops, save less) or "default" (save what the
         forward computed) for splitting the joint graph into forward and backward.
-    kernel_autotune: time a few block configurations of each kernel on first launch (GPU
-        only) and persist the winner; on by default under mode="max-autotune".
+    kernel_autotune: for zeroc's own Triton kernels on a GPU: ``False`` (default) launches
+        one default block configuration, untimed; ``True`` (set by mode="max-autotune") times
+        the candidates at a kernel's first launch and persists the winner under
+        ``<cache_dir>/autotune``, keyed by source, GPU name, dtypes and shape class (the
+        power-of-two bucket of the problem size), so later runs reuse it untimed. Off a GPU
+        the interpreter's fixed tile is used either way; the plan shows what was launched.
     record_graphs: keep each pass's graph text before and after, for ``zeroc.explain``.
-    cache_dir: where generated kernel sources and autotune results are stored.
+    cache_dir: where generated kernel sources and autotune results are stored. zeroc
+        creates its directories with mode 0o700 and refuses (OptionError) one that another
+        user owns or that group or others can write; a cached file that is not exactly what
+        zeroc generated is rewritten, never run.
     bucket_mb: ZeRO collectives pack parameters (gathers) or gradients (reductions) into
         buckets of at most this many MiB; one collective per bucket.
     prefetch: how many gather buckets ahead of their use a ZeRO-3 gather is issued (0: right

@@ -14,6 +14,11 @@ group of one of its producers when
 Groups with at least two compute ops, or with a reduction, become one ``call_function`` node
 whose target is a :class:`~zeroc.codegen.fused_kernel.FusedKernel`; matmuls, attention,
 indexing and everything else stay aten. One ``KernelInfo`` per kernel goes to ``ctx.kernels``.
+
+Composite ops arrive whole. Those without a lowering of their own (layer-norm backward, MSE)
+are decomposed here, and only where all their fusible pieces land in kernels
+(``zeroc.passes.decompositions.decompose_where_fused``); what is not fused stays the original
+composite aten op.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.node import map_aggregate
 
 from zeroc.codegen.aten_lowering import IRBuilder, lower
+from zeroc.codegen.cache_files import private_dir
 from zeroc.codegen.fused_kernel import FusedKernel, choose_backend
 from zeroc.codegen.fusion_groups import Group, find_groups
 from zeroc.codegen.kernel_ir import FULL, KernelIR, Reduce, Store, TensorSpec, value_levels
 from zeroc.codegen.triton_emit import emit_source
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.passes.decompositions import decompose_where_fused
 from zeroc.runtime.records import KernelInfo
 
 aten = torch.ops.aten
@@ -56,10 +63,11 @@ def _aten_graph(gm: torch.fx.GraphModule, group: Group, inputs: list[torch.fx.No
 
 
 def build_kernel(gm: torch.fx.GraphModule, group: Group, name_index: int, backend: str,
-                 cache_dir: str | None) -> tuple[FusedKernel, list[torch.fx.Node],
-                                                  list[torch.fx.Node]]:
+                 cache_dir: str | None, tune: bool = False,
+                 ) -> tuple[FusedKernel, list[torch.fx.Node], list[torch.fx.Node]]:
     """Lower ``group`` to kernel IR and Triton source; return the kernel, the graph nodes it
-    reads (in argument order) and the group nodes whose values it returns."""
+    reads (in argument order) and the group nodes whose values it returns. ``tune`` is the
+    ``kernel_autotune`` option."""
     members = set(group.nodes)
     builder = IRBuilder(cols=group.cols)
     loaded: dict[tuple[torch.fx.Node, str], str] = {}
@@ -107,7 +115,8 @@ def build_kernel(gm: torch.fx.GraphModule, group: Group, name_index: int, backen
         persistent=_next_pow2(group.cols) <= PERSISTENT_MAX_COLS,
     )
     source = emit_source(ir)
-    kernel = FusedKernel(ir, source, _aten_graph(gm, group, inputs, outputs), backend, cache_dir)
+    kernel = FusedKernel(ir, source, _aten_graph(gm, group, inputs, outputs), backend, cache_dir,
+                         tune)
     return kernel, inputs, outputs
 
 
@@ -119,6 +128,12 @@ def _outputs_contiguous(group: Group) -> bool:
             if not value.is_contiguous():
                 return False
     return True
+
+
+def _fusible_groups(graph: torch.fx.Graph) -> list[Group]:
+    # A kernel writes contiguous outputs; a value the rest of the graph reads with other
+    # strides (later views were traced against them) stays with its aten ops.
+    return [g for g in find_groups(graph) if _outputs_contiguous(g)]
 
 
 def _next_pow2(n: int) -> int:
@@ -178,21 +193,23 @@ def _topological_order(graph: torch.fx.Graph) -> None:
 def fusion(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Fuse pointwise/last-dim-reduction groups of ``gm`` into generated kernels.
 
-    Reads ``ctx.config.kernels`` (``"auto"``, ``"triton"`` or ``"aten"``) and
-    ``ctx.config.cache_dir`` (where generated sources and autotune results go), and
+    Reads ``ctx.config.kernels`` (``"auto"``, ``"triton"`` or ``"aten"``),
+    ``ctx.config.cache_dir`` (where generated sources and autotune results go),
+    ``ctx.config.kernel_autotune`` (time launch configurations on a GPU; default off) and
     ``ctx.device``. Raises OptionError (a ValueError) when ``kernels="triton"`` cannot run on that
-    device. With ``ctx.config.fusion`` off the graph is left as it is.
+    device, or when its cache directory is not private to the user. With ``ctx.config.fusion``
+    off the graph is left as it is (composite ops stay whole).
     """
     backend = choose_backend(getattr(ctx.config, "kernels", "auto"), ctx.device)
     if not getattr(ctx.config, "fusion", True):
         return PassResult(gm, False, {"kernels": 0, "fused_ops": 0})
     cache_dir = getattr(ctx.config, "cache_dir", None)
-    # A kernel writes contiguous outputs; a value the rest of the graph reads with other
-    # strides (later views were traced against them) stays with its aten ops.
-    groups = [g for g in find_groups(gm.graph) if _outputs_contiguous(g)]
+    tune = bool(getattr(ctx.config, "kernel_autotune", False))
+    gm, groups = decompose_where_fused(gm, _fusible_groups, backend)
     fused_ops = 0
-    on_gpu = ctx.device.type == "cuda"
-    built = [build_kernel(gm, group, len(ctx.kernels) + i, backend, cache_dir)
+    if groups and backend == "triton":
+        private_dir(cache_dir)  # refuse a cache others can write now, not at the first launch
+    built = [build_kernel(gm, group, len(ctx.kernels) + i, backend, cache_dir, tune)
              for i, group in enumerate(groups)]
     replaced: dict[torch.fx.Node, torch.fx.Node] = {}
     for group, (kernel, inputs, outputs) in zip(groups, built, strict=True):
@@ -200,12 +217,15 @@ def fusion(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         fused_ops += len(compute)
         _replace(gm.graph, group, kernel, inputs, outputs, replaced)
         ir = kernel.ir
-        ctx.kernels.append(KernelInfo(
+        # The launch configuration expected now; the first launch records the real one.
+        block = (tuple(kernel.planned_config(ctx.device).to_json().items())
+                 if backend == "triton" else ())
+        kernel.info = KernelInfo(
             name=ir.name, graph=ctx.graph_name, backend=backend, kind=ir.kind,
             ops=tuple(str(n.target) for n in compute), numel=ir.numel, source=kernel.source,
-            source_hash=kernel.source_hash,
-            block=tuple(kernel.launch_config(on_gpu).to_json().items()),
-        ))
+            source_hash=kernel.source_hash, block=block,
+        )
+        ctx.kernels.append(kernel.info)
     if groups:
         _topological_order(gm.graph)
         gm.graph.lint()

@@ -5,6 +5,11 @@ their costs, the stages, the parameters, the kernels, the collectives, the memor
 rank and every pass's graph before and after. ``str(plan)`` prints tables; ``to_json`` and
 ``Plan.from_json`` round-trip exactly (``Plan.from_json(p.to_json()) == p``).
 ``plan.schedule_grid(ranks, width)`` draws a pipeline's schedule grid for chosen ranks.
+
+A kernel's ``block`` is the launch configuration: zeroc's generated kernels report the one
+they really launched with once they have run (``record_launch``, called at the first launch;
+the plan is built from the compile records, which are made before any launch), and the
+expected one before that.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import json
 import types
 import typing
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +36,26 @@ from zeroc.runtime.records import (
 )
 
 PLAN_FORMAT = 1
+
+Block = tuple[tuple[str, int], ...]
+# id(KernelInfo) -> (weak reference to it, the configuration it launched with).
+_launched: dict[int, tuple[weakref.ref, Block]] = {}
+
+
+def record_launch(info: KernelInfo, block: Block) -> None:
+    """Record that the kernel of the compile record ``info`` launched with ``block``; plans
+    built afterwards show ``block`` for it."""
+    key = id(info)
+    _launched[key] = (weakref.ref(info, lambda _ref, key=key: _launched.pop(key, None)),
+                      tuple(block))
+
+
+def launched(info: KernelInfo) -> KernelInfo:
+    """``info`` with the launch configuration recorded for it, if any."""
+    entry = _launched.get(id(info))
+    if entry is None or entry[0]() is not info or entry[1] == info.block:
+        return info
+    return dataclasses.replace(info, block=entry[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +89,10 @@ class Plan:
     passes: tuple[PassInfo, ...]
     pipeline: PipelineInfo | None = None
     estimate: StepEstimate | None = None  # planned jobs (explain(world=...)) on a profile
+
+    def __post_init__(self) -> None:
+        # The kernels' launched configurations, recorded after the compile records were made.
+        object.__setattr__(self, "kernels", tuple(launched(k) for k in self.kernels))
 
     def to_json(self, indent: int | None = None) -> str:
         """The plan as JSON text."""

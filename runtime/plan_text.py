@@ -140,12 +140,14 @@ def render_plan(plan: Plan) -> str:
         "none",
     ))
     out.append("")
-    triton = sum(1 for k in plan.kernels if k.backend == "triton")
+    counts = {b: sum(1 for k in plan.kernels if k.backend == b)
+              for b in ("triton", "aten", "inductor")}
+    shown = ", ".join(f"{n} {b}" for b, n in counts.items() if n or b != "inductor")
     out.append(_section(
-        f"kernels ({len(plan.kernels)}: {triton} triton, {len(plan.kernels) - triton} aten)",
-        [[k.name, k.graph, k.backend, k.kind, _ops(k.ops), human_count(k.numel)]
-         for k in plan.kernels],
-        ["kernel", "graph", "runs as", "kind", "ops", "numel"],
+        f"kernels ({len(plan.kernels)}: {shown})",
+        [[k.name, k.graph, k.backend, k.kind, _ops(k.ops), human_count(k.numel),
+          _launch(k.block)] for k in plan.kernels],
+        ["kernel", "graph", "runs as", "kind", "ops", "numel", "launch"],
         "none",
     ))
     out.append("")
@@ -188,8 +190,18 @@ def render_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
+def _launch(block: tuple[tuple[str, int], ...]) -> str:
+    """A kernel's launch configuration, e.g. ``BLOCK_R=8 BLOCK_C=64 warps=4`` (``-``: none)."""
+    if not block:
+        return "-"
+    return " ".join(f"{'warps' if name == 'num_warps' else name}={value}"
+                    for name, value in block)
+
+
 def _ops(ops: tuple[str, ...]) -> str:
-    text = " ".join(op.rsplit(".", 1)[0].replace("aten.", "") for op in ops)
+    # "aten.add.Tensor" (zeroc's kernels) and "aten.add" (Inductor's) both read "add".
+    text = " ".join((op.rsplit(".", 1)[0] if op.count(".") >= 2 else op).replace("aten.", "")
+                    for op in ops)
     return text if len(text) <= 48 else text[:45] + "..."
 
 

@@ -52,7 +52,9 @@ class KernelInfo:
 
     ``backend`` is ``"triton"`` when the generated Triton source is launched, ``"aten"`` when
     the fused group runs through the original aten ops (no Triton available for the device).
-    ``block`` lists the launch parameters chosen (name, value) - autotuned where possible.
+    ``inductor`` when Inductor generated it (``kernels="inductor"``). ``block`` lists the launch
+    parameters (name, value): the ones launched once the kernel has run (autotuned with
+    ``kernel_autotune``), empty for a group that runs as aten ops and for Inductor's kernels.
     """
 
     name: str

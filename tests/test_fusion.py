@@ -242,3 +242,41 @@ def test_matmul_and_indexing_stay_aten():
     torch.testing.assert_close(out, f(*args), rtol=0, atol=0)
     assert all("mm" not in op and "index" not in op
                for k in contexts[0].kernels for op in k.ops)
+
+
+class NormMLP(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc(self.norm(x))).sum()
+
+
+def test_fusion_off_keeps_layer_norm_and_gelu_whole(monkeypatch, tmp_path):
+    """``fusion=False`` with zeroc's Triton kernels: nothing is fused, so nothing is
+    decomposed; the graphs run the composite ops eager runs (no var_mean/erf pieces)."""
+    import zeroc
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # kernels="triton" on CPU; nothing launches
+    torch.manual_seed(0)
+    model, x = NormMLP(), torch.randn(2, 4, 16, requires_grad=True)
+    compiled = torch.compile(model, backend="zeroc", options={
+        "kernels": "triton", "fusion": False, "cache_dir": str(tmp_path)})
+    compiled(x).backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    model(x).backward()
+    for got, want in zip(grads, [x.grad] + [p.grad for p in model.parameters()], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    plan = zeroc.explain(compiled)
+    assert plan.kernels == ()
+    ops = {g.name: [c.target for c in g.node_costs] for g in plan.graphs}
+    assert ops["g0.forward"].count("aten.native_layer_norm.default") == 1
+    assert ops["g0.forward"].count("aten.gelu.default") == 1
+    assert ops["g0.backward"].count("aten.native_layer_norm_backward.default") == 1
+    assert ops["g0.backward"].count("aten.gelu_backward.default") == 1
+    pieces = {"aten.var_mean.correction", "aten.erf.default", "aten.rsqrt.default"}
+    assert not pieces & {op for graph in ops.values() for op in graph}

@@ -4,6 +4,12 @@ Triton decides at import time whether it interprets, so the cases run in one chi
 started with ``TRITON_INTERPRET=1`` in its environment; it compiles tiny models with
 ``kernels="triton"``, counts kernel launches, and reports the largest error against eager per
 case as JSON. Each test below checks one case of that report.
+
+A second child, run at the same time, trains the zoo GPT through
+``torch.compile(backend="zeroc", options={"kernels": "triton"})`` at two sequence lengths (the
+second compiles a dynamic-shape graph, which is not fused) next to plain AOTAutograd, and
+reports the aten ops of every graph the executor runs: what is not fused must stay the
+composite ops eager runs, never their decomposed pieces.
 """
 
 from __future__ import annotations
@@ -103,21 +109,98 @@ CHILD = textwrap.dedent('''
     print("REPORT " + json.dumps(report))
 ''')
 
+GPT_CHILD = textwrap.dedent('''
+    import collections, json, sys
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    import zeroc
+    from models.gpt import GPT, GPTConfig
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def train(model, compiled):
+        losses, grads = [], []
+        for seq in (8, 4):
+            x, y = model.example_batch(2, seq)
+            loss = compiled(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            model.zero_grad()
+        return losses, grads
+
+    eager_graphs = []
+    def recorder(kind):
+        def compile_graph(gm, example_inputs):
+            eager_graphs.append([kind, collections.Counter(
+                str(n.target) for n in gm.graph.nodes if n.op == "call_function")])
+            return make_boxed_func(gm.forward)
+        return compile_graph
+    eager = GPT(GPTConfig.tiny(), seed=5)
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    ref_losses, ref_grads = train(eager, torch.compile(eager, backend=backend))
+    report = {"eager": eager_graphs}
+    for name, options in (("default_partition", {"partitioner": "default"}), ("min_cut", {})):
+        torch._dynamo.reset()
+        model = GPT(GPTConfig.tiny(), seed=5)
+        compiled = torch.compile(model, backend="zeroc", options={
+            "kernels": "triton", "cache_dir": sys.argv[1], **options})
+        losses, grads = train(model, compiled)
+        plan = zeroc.explain(compiled)
+        report[name] = {
+            "graphs": {g.name: collections.Counter(c.target for c in g.node_costs)
+                       for g in plan.graphs if g.kind != "joint"},
+            "kernels": collections.Counter(k.graph for k in plan.kernels),
+            "backends": sorted({k.backend for k in plan.kernels}),
+            "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "grad_err": max((g[k] - r[k]).abs().max().item()
+                            for g, r in zip(grads, ref_grads) for k in r),
+        }
+    print("REPORT " + json.dumps(report))
+''')
+
 CASES = ["pointwise", "softmax", "layernorm", "rmsnorm", "cross_entropy", "softmax_bf16"]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    """Run every case once in a child process under the Triton interpreter."""
-    cache_dir = str(tmp_path_factory.mktemp("zeroc_cache"))
+def _start(script: str, args: list[str], log: str) -> subprocess.Popen:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD, cache_dir], env=env, text=True,
-                          capture_output=True, timeout=400)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    data = json.loads(lines[-1][len("REPORT "):])
-    data["_cache_files"] = sorted(os.listdir(os.path.join(cache_dir, "kernels")))
-    return data
+    with open(log, "w") as out:  # a file, not a pipe: a full pipe would stall the child
+        return subprocess.Popen([sys.executable, "-c", script, *args], env=env, text=True,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _report_of(proc: subprocess.Popen, log: str) -> dict:
+    proc.wait(timeout=400)
+    with open(log) as handle:
+        output = handle.read()
+    lines = [ln for ln in output.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, output[-4000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory) -> dict:
+    """Run both children at once, each under the Triton interpreter; their reports."""
+    tmp = tmp_path_factory.mktemp("zeroc_cache")
+    cache_dir = str(tmp / "cache")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    logs = str(tmp / "kernels.log"), str(tmp / "gpt.log")
+    kernels = _start(CHILD, [cache_dir], logs[0])
+    gpt = _start(GPT_CHILD, [cache_dir, tests_dir], logs[1])
+    try:
+        data = _report_of(kernels, logs[0])
+        data["_cache_files"] = sorted(os.listdir(os.path.join(cache_dir, "kernels")))
+        return {"kernels": data, "gpt": _report_of(gpt, logs[1])}
+    finally:
+        for proc in (kernels, gpt):
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def report(children) -> dict:
+    """The small models' cases."""
+    return children["kernels"]
 
 
 @pytest.mark.timeout(450)
@@ -135,3 +218,50 @@ def test_triton_kernel_matches_aten(report, case, looped):
 def test_generated_sources_are_cached_as_files(report):
     files = report["_cache_files"]
     assert files and all(f.startswith("k") and f.endswith(".py") for f in files)
+
+
+# What the decompositions of layer norm and GELU (forward and backward) are made of.
+DECOMPOSED_PIECES = ("aten.var_mean.correction", "aten.erf.default", "aten.rsqrt.default",
+                     "aten.exp.default")
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("partitioner", ["default_partition", "min_cut"])
+def test_gpt_matches_eager_and_fuses_the_static_graph(children, partitioner):
+    run = children["gpt"][partitioner]
+    assert run["loss_err"] <= 1e-5 and run["grad_err"] <= 1e-5, run
+    assert run["backends"] == ["triton"]
+    assert run["kernels"]["g0.forward"] >= 3 and run["kernels"]["g0.backward"] >= 3
+    static_backward = run["graphs"]["g0.backward"]
+    # Every layer-norm backward was decomposed and fused into kernels.
+    assert static_backward.get("aten.native_layer_norm_backward.default", 0) == 0
+
+
+@pytest.mark.timeout(450)
+def test_gpt_second_length_runs_no_more_ops_than_eager(children):
+    """The dynamic-shape graphs (no fusion) run at most as many aten ops as AOTAutograd's."""
+    gpt = children["gpt"]
+    eager = {kind: counts for kind, counts in gpt["eager"][2:]}  # the second sequence length
+    graphs = gpt["default_partition"]["graphs"]
+    for kind in ("forward", "backward"):
+        ours = graphs[f"g1.{kind}"]
+        assert sum(ours.values()) <= sum(eager[kind].values()), (kind, ours, eager[kind])
+        assert not set(DECOMPOSED_PIECES) & set(ours), ours
+        for op in ("aten.native_layer_norm.default", "aten.gelu.default",
+                   "aten.native_layer_norm_backward.default", "aten.gelu_backward.default"):
+            assert ours.get(op, 0) == eager[kind].get(op, 0), (kind, op)
+
+
+@pytest.mark.timeout(450)
+def test_gpt_second_length_keeps_composites_with_recompute(children):
+    """With the default (min-cut) partitioner the backward also recomputes layer norms and
+    GELUs, as whole ops too."""
+    eager = {kind: counts for kind, counts in children["gpt"]["eager"][2:]}
+    graphs = children["gpt"]["min_cut"]["graphs"]
+    for kind in ("forward", "backward"):
+        ours = graphs[f"g1.{kind}"]
+        assert not set(DECOMPOSED_PIECES) & set(ours), ours
+        for op in ("aten.native_layer_norm_backward.default", "aten.gelu_backward.default"):
+            assert ours.get(op, 0) == eager[kind].get(op, 0), (kind, op)
+    assert graphs["g1.forward"].get("aten.mul.Tensor", 0) <= eager["forward"].get(
+        "aten.mul.Tensor", 0)
