@@ -190,7 +190,7 @@ class InductorGraph:
     """
 
     def __init__(self, gm: torch.fx.GraphModule, name: str,
-                 example_inputs: list[Any] | None = None) -> None:
+                 example_inputs: list[Any] | None = None, autotune: bool = False) -> None:
         from torch._inductor.compile_fx import compile_fx_inner
 
         inputs = _fresh_inputs(gm) if example_inputs is None else example_inputs
@@ -205,7 +205,9 @@ class InductorGraph:
         # peak-memory reorderings would otherwise move a prefetched gather next to its wait.
         keep_order = {k: False for k in ORDER_CHANGING_OPTIONS if hasattr(inductor_config, k)
                       } if any(e.startswith("issue") for e in planned) else {}
-        with inductor_config.patch(keep_order):
+        # kernel_autotune (or mode="max-autotune") is Inductor's max_autotune on this path.
+        tuning = {"max_autotune": True} if autotune else {}
+        with inductor_config.patch({**keep_order, **tuning}):
             self.compiled: Callable[[list[Any]], Any] = compile_fx_inner(gm, inputs)
         self.source_code: str = getattr(self.compiled, "source_code", "") or ""
         self.kernels = inductor_kernels(self.source_code, name)
@@ -244,6 +246,8 @@ def _make_return_tuple(gm: torch.fx.GraphModule) -> None:
 
 
 def compile_graph(gm: torch.fx.GraphModule, name: str,
-                  example_inputs: list[Any] | None = None) -> InductorGraph:
-    """``gm`` compiled by Inductor (``example_inputs``: fake inputs; None: from metadata)."""
-    return InductorGraph(gm, name, example_inputs)
+                  example_inputs: list[Any] | None = None, autotune: bool = False
+                  ) -> InductorGraph:
+    """``gm`` compiled by Inductor (``example_inputs``: fake inputs; None: from metadata;
+    ``autotune``: Inductor's ``max_autotune``)."""
+    return InductorGraph(gm, name, example_inputs, autotune)

@@ -148,7 +148,7 @@ def compile_dynamo_graph(
             run_boxed = None
             # Planning on fake tensors runs the graphs themselves: compiled code needs values.
             if path == "inductor" and not PLANNING.simulated:
-                compiled = InductorGraph(graph, name, list(inputs))
+                compiled = InductorGraph(graph, name, list(inputs), config.kernel_autotune)
                 record.kernels.extend(compiled.kernels)
                 record.output_code[name] = compiled.source_code
                 if not compiled.collectives_kept:

@@ -41,6 +41,7 @@ class Config:
         ``<cache_dir>/autotune``, keyed by source, GPU name, dtypes and shape class (the
         power-of-two bucket of the problem size), so later runs reuse it untimed. Off a GPU
         the interpreter's fixed tile is used either way; the plan shows what was launched.
+        On the Inductor path it is Inductor's ``max_autotune``.
     record_graphs: keep each pass's graph text before and after, for ``zeroc.explain``.
     cache_dir: where generated kernel sources and autotune results are stored. zeroc
         creates its directories with mode 0o700 and refuses (OptionError) one that another

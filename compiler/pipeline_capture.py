@@ -297,7 +297,7 @@ def _compile_pipeline(
                 programs[a.stage].overlapped[a.b_stage] = overlap_forward_backward(
                     programs[a.stage], programs[a.b_stage])
     if path == "inductor" and not PLANNING.simulated:  # planning runs the graphs on fakes
-        compile_stages_with_inductor(programs, record)
+        compile_stages_with_inductor(programs, record, config.kernel_autotune)
     holders: dict[int, set[int]] = {}
     for spec in split.stages:
         for index in spec.param_inputs:
@@ -427,7 +427,8 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     return StageProgram(
         inference=_LazyInference(
             spec.gm, args, inference_passes if path != "inductor" or PLANNING.simulated else
-            inductor_after(inference_passes, f"{stage_name}.inference", record),
+            inductor_after(inference_passes, f"{stage_name}.inference", record,
+                           config.kernel_autotune),
             decompositions),
         index=index, forward=fw, backward=bw, input_grad=split_bw.input_grad,
         weight_grad=split_bw.weight_grad, w_inputs=split_bw.w_inputs,

@@ -35,8 +35,10 @@ STAGE_GRAPHS = ("forward", "backward", "input_grad", "weight_grad")
 class LazyInductorGraph:
     """``gm`` compiled by Inductor on its first call; called like ``gm``."""
 
-    def __init__(self, gm: torch.fx.GraphModule, name: str, record: CompiledGraph) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, name: str, record: CompiledGraph,
+                 autotune: bool = False) -> None:
         self.gm: torch.fx.GraphModule | None = gm
+        self.autotune = autotune
         self.name = name
         self.record = record
         self.compiled: InductorGraph | None = None
@@ -44,7 +46,7 @@ class LazyInductorGraph:
     def _compile(self) -> InductorGraph:
         assert self.gm is not None
         logger.info("zeroc: compiling %s with Inductor", self.name)
-        compiled = InductorGraph(self.gm, self.name)
+        compiled = InductorGraph(self.gm, self.name, autotune=self.autotune)
         self.record.kernels.extend(compiled.kernels)
         self.record.output_code[self.name] = compiled.source_code
         if not compiled.collectives_kept:
@@ -59,10 +61,11 @@ class LazyInductorGraph:
 
 
 def inductor_after(compile_graph: Callable[[torch.fx.GraphModule], torch.fx.GraphModule],
-                   name: str, record: CompiledGraph) -> Callable[[torch.fx.GraphModule], Any]:
+                   name: str, record: CompiledGraph, autotune: bool = False
+                   ) -> Callable[[torch.fx.GraphModule], Any]:
     """``compile_graph`` (zeroc's passes) followed by Inductor: for the lazy inference graph."""
     def compile_both(gm: torch.fx.GraphModule) -> Any:
-        compiled = InductorGraph(compile_graph(gm), name)
+        compiled = InductorGraph(compile_graph(gm), name, autotune=autotune)
         record.kernels.extend(compiled.kernels)
         record.output_code[name] = compiled.source_code
         if not compiled.collectives_kept:
@@ -72,16 +75,18 @@ def inductor_after(compile_graph: Callable[[torch.fx.GraphModule], torch.fx.Grap
     return compile_both
 
 
-def compile_stages_with_inductor(programs: dict[int, StageProgram], record: CompiledGraph
-                                 ) -> None:
-    """Make every graph of ``programs`` run through Inductor (compiled on first call)."""
+def compile_stages_with_inductor(programs: dict[int, StageProgram], record: CompiledGraph,
+                                 autotune: bool = False) -> None:
+    """Make every graph of ``programs`` run through Inductor (compiled on first call;
+    ``autotune``: Inductor's ``max_autotune``)."""
     for index, program in programs.items():
         stage_name = f"{record.prefix}.s{index}"
         for kind in STAGE_GRAPHS:
             gm = getattr(program, kind)
-            setattr(program, kind, LazyInductorGraph(gm, f"{stage_name}.{kind}", record))
+            setattr(program, kind,
+                    LazyInductorGraph(gm, f"{stage_name}.{kind}", record, autotune))
         for b_stage, overlapped in list(program.overlapped.items()):
             assert isinstance(overlapped, OverlappedGraph)
             program.overlapped[b_stage] = OverlappedGraph(
-                LazyInductorGraph(overlapped.gm, f"{stage_name}.fb{b_stage}", record),
+                LazyInductorGraph(overlapped.gm, f"{stage_name}.fb{b_stage}", record, autotune),
                 overlapped.num_forward_outputs)

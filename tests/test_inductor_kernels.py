@@ -95,6 +95,29 @@ def test_no_grad_call_runs_inductors_inference_graph() -> None:
     assert any(g.endswith(".inference") for g in graphs), graphs
 
 
+@pytest.mark.parametrize("autotune", [False, True])
+def test_kernel_autotune_is_inductors_max_autotune(monkeypatch, autotune: bool) -> None:
+    """``kernel_autotune`` reaches Inductor as ``max_autotune``; graphs with no collectives
+    keep Inductor's own reorderings."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor import config as inductor_config
+
+    seen = []
+    real = compile_fx.compile_fx_inner
+
+    def spy(gm, inputs, **kwargs):
+        seen.append((inductor_config.max_autotune, inductor_config.reorder_for_locality))
+        return real(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    compiled = torch.compile(model, backend="zeroc",
+                             options={**INDUCTOR, "kernel_autotune": autotune})
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert seen and all(flags == (autotune, True) for flags in seen), seen
+
+
 def test_unknown_kernels_value_names_inductor() -> None:
     model = torch.nn.Linear(4, 4)
     compiled = torch.compile(model, backend="zeroc", options={"kernels": "cuda"})
