@@ -1,8 +1,9 @@
 """zeroc: a torch.compile backend for ZeRO-sharded, pipelined training with a readable plan.
 
-``parallelize``, ``full_state_dict`` and ``load_full_state_dict`` are imported at once: the
-function ``parallelize`` shares its name with its submodule, and importing the submodule later
-would otherwise replace the function on this package. The rest is imported lazily so that
+``parallelize``, ``calibrate``, ``full_state_dict`` and ``load_full_state_dict`` are imported
+at once: the functions ``parallelize`` and ``calibrate`` share their names with their
+submodules, and importing a submodule later would otherwise replace the function on this
+package. The rest is imported lazily so that
 ``import zeroc.runtime`` (which runs this file first) stays light.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zeroc.calibrate import calibrate
 from zeroc.parallelize import parallelize
 from zeroc.state_dict import full_state_dict, load_full_state_dict
 
@@ -30,6 +32,7 @@ __all__ = [
     "Config",
     "MixedPrecision",
     "Plan",
+    "calibrate",
     "clip_grad_norm_",
     "data_parallel_rank",
     "data_parallel_size",

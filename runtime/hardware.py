@@ -3,9 +3,10 @@
 A ``HardwareProfile`` holds the figures a cost estimate needs (peak dense FLOP/s by dtype,
 memory, links inside and between nodes, launch floor). The known devices are in
 ``hardware_profiles.json`` beside this module; ``get_profile`` also takes a user's dict.
-``calibrate_cpu`` measures this machine, ``cpu_profile`` caches that. ``estimate_compute_s``
-is a roofline, ``estimate_collective_s`` the ring model. Sizes are decimal (a datasheet's
-"80GB" is 80e9 bytes, under the 80 GiB the device reports); link bandwidths are per direction.
+``calibrate_cpu`` measures this machine, ``cpu_profile`` caches that; ``zeroc.calibrate`` adds
+optional tables (matmul FLOP/s by shape class, collective fits). ``estimate_compute_s`` is a
+roofline, ``estimate_collective_s`` a measured fit or the ring model. Sizes are decimal (a
+datasheet's "80GB" is 80e9 bytes, under the 80 GiB the device reports); links per direction.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import platform
 import re
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -57,9 +57,14 @@ FLOPS_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8_e4m
 _DTYPE_ALIASES = {"fp64": "float64", "double": "float64", "fp32": "float32", "float": "float32",
                   "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")
+# Matmul shape classes by the FLOPs of one product: small < 1e8 <= medium < 1e10 <= large.
+SHAPE_CLASSES = ("small", "medium", "large")
+SHAPE_CLASS_BOUNDS = (1e8, 1e10)
 _FLOAT_FIELDS = ("memory_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s",
                  "inter_node_bytes_per_s", "inter_node_latency_s", "launch_floor_s")
 _INT_FIELDS = ("memory_bytes", "devices_per_node")
+_OPTIONAL_FIELDS = ("matmul_flops", "collectives", "collectives_note")
+_LINKS = {False: "intra", True: "inter"}  # the link part of a collectives key
 _PROFILES: dict[str, HardwareProfile] = {}  # filled from hardware_profiles.json below
 
 
@@ -80,11 +85,17 @@ def dtype_name(dtype: torch.dtype | str) -> str:
                       f"{', '.join(FLOPS_DTYPES)}")
 
 
+def shape_class(flops: float) -> str:
+    """The ``SHAPE_CLASSES`` entry of a matmul of ``flops`` FLOPs (see ``SHAPE_CLASS_BOUNDS``)."""
+    return SHAPE_CLASSES[sum(flops >= bound for bound in SHAPE_CLASS_BOUNDS)]
+
+
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
     """The figures of one kind of device. Bandwidths are bytes/s per direction;
     ``inter_node_bytes_per_s`` is what one device gets to other nodes. ``peak_flops`` must give
-    ``"float32"``. Every field is checked: a bad one raises ``OptionError`` (a ``ValueError``)."""
+    ``"float32"``. Every field is checked: a bad one raises ``OptionError`` (a ``ValueError``).
+    The last three, optional, are a measured profile's (``zeroc.runtime.calibration``)."""
 
     name: str
     peak_flops: dict[str, float]
@@ -97,6 +108,9 @@ class HardwareProfile:
     devices_per_node: int
     launch_floor_s: float
     source: str
+    matmul_flops: dict[str, dict[str, float]] | None = None
+    collectives: dict[str, dict[str, dict[str, Any]]] | None = None
+    collectives_note: str | None = None
 
     def __post_init__(self) -> None:
         where = f"hardware profile {self.name!r}: key"
@@ -119,6 +133,10 @@ class HardwareProfile:
                 kind = "integer" if integer else "number"
                 raise OptionError(f"{where} {key!r} = {value!r} must be a positive {kind}")
             object.__setattr__(self, key, int(value) if integer else float(value))
+        if (self.matmul_flops, self.collectives, self.collectives_note) != (None, None, None):
+            from zeroc.runtime.calibration import check_tables  # it imports this module
+
+            check_tables(self)
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.source))
@@ -129,9 +147,15 @@ class HardwareProfile:
         fp32: ask for ``"tf32"`` when TF32 matmuls are allowed."""
         return self.peak_flops.get(dtype_name(dtype), self.peak_flops["float32"])
 
+    def matmul_flops_for(self, dtype: torch.dtype | str, flops: float) -> float:
+        """Measured FLOP/s of a ``flops``-FLOP matmul (its shape class), else ``flops_for``."""
+        table = (self.matmul_flops or {}).get(dtype_name(dtype), {})
+        return table.get(shape_class(flops)) or self.flops_for(dtype)
+
     def to_dict(self) -> dict[str, Any]:
-        """The profile as plain JSON values; ``from_dict`` of it gives an equal profile."""
-        data = dataclasses.asdict(self)
+        """The profile as plain JSON values (optional ones if set); ``from_dict`` inverts it."""
+        data = {k: v for k, v in dataclasses.asdict(self).items()
+                if v is not None or k not in _OPTIONAL_FIELDS}
         data["peak_flops"] = dict(self.peak_flops)
         return data
 
@@ -147,12 +171,12 @@ class HardwareProfile:
             if key not in fields:
                 raise OptionError(f"hardware profile: unknown key {key!r} = {data[key]!r}; "
                                   f"allowed keys: {', '.join(fields)}")
-        missing = [k for k in fields if k not in data]
+        missing = [k for k in fields if k not in data and k not in _OPTIONAL_FIELDS]
         if missing:
             raise OptionError(f"hardware profile: missing key(s) {', '.join(missing)}; give all "
                               f"of {', '.join(fields)}, or 'base': one of {', '.join(_PROFILES)} "
                               "and only the keys to change")
-        return cls(**{k: data[k] for k in fields})
+        return cls(**{k: data[k] for k in fields if k in data})
 
 
 def _load_known() -> tuple[dict[str, HardwareProfile], tuple[tuple[re.Pattern[str], str], ...]]:
@@ -313,33 +337,6 @@ def calibrate_cpu(seconds: float = 5.0) -> HardwareProfile:
     return profile
 
 
-def _read_cached(path: str, key: dict[str, Any]) -> HardwareProfile | None:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            entry = json.load(handle)
-        found = entry.get("key") if isinstance(entry, dict) else None
-        if found != key:
-            raise ValueError(f"it was measured for {found!r}, not {key!r}")
-        return HardwareProfile.from_dict(entry.get("profile"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as exc:
-        log.warning("ignoring the CPU profile in %s (%s); measuring again", path, exc)
-        return None
-
-
-def _write_cached(root: str, path: str, key: dict[str, Any], profile: HardwareProfile) -> None:
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)  # makedirs gives the mode to the leaf only
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump({"key": key, "profile": profile.to_dict()}, handle, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not store the CPU profile in %s: %s", path, exc)
-
-
 def cpu_profile(cache_dir: str | None = None, seconds: float = 5.0) -> HardwareProfile:
     """This machine's measured profile: read from ``<cache_dir>/hardware/`` when it was
     measured for the same CPU model, core count, torch version and ``torch.get_num_threads()``,
@@ -351,23 +348,25 @@ def cpu_profile(cache_dir: str | None = None, seconds: float = 5.0) -> HardwareP
     root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(root, "hardware", f"cpu-{digest}.json")
-    profile = _read_cached(path, key)
+    from zeroc.runtime.calibration import read_cached, write_cached  # it imports this module
+    profile = read_cached(path, key, "CPU profile", log)
     if profile is None:
         profile = calibrate_cpu(seconds)
-        _write_cached(root, path, key, profile)
+        write_cached(root, path, key, profile, "CPU profile", log)
     return profile
 
 
 def estimate_compute_s(flops: float, bytes_moved: float, dtype: torch.dtype | str,
                        profile: str | Mapping[str, Any] | HardwareProfile) -> float:
     """Roofline time of one op: ``max(flops / peak(dtype), bytes_moved / memory bandwidth)``,
-    never below the profile's launch floor. ``profile`` is anything ``get_profile`` takes."""
+    never below the launch floor; the peak is ``matmul_flops_for`` (the shape class's when
+    measured). ``profile`` is anything ``get_profile`` takes."""
     hardware = get_profile(profile)
     for key, value in (("flops", flops), ("bytes_moved", bytes_moved)):
         if not _number(value) or value < 0:
             raise OptionError(f"estimate_compute_s: {key} = {value!r} must be a number >= 0")
-    return max(flops / hardware.flops_for(dtype), bytes_moved / hardware.memory_bytes_per_s,
-               hardware.launch_floor_s)
+    return max(flops / hardware.matmul_flops_for(dtype, flops),
+               bytes_moved / hardware.memory_bytes_per_s, hardware.launch_floor_s)
 
 
 def estimate_collective_s(kind: str, nbytes: int, group_size: int,
@@ -377,7 +376,8 @@ def estimate_collective_s(kind: str, nbytes: int, group_size: int,
     nodes when ``inter_node``, else on those inside a node. ``all_gather`` / ``reduce_scatter``
     of a buffer of ``nbytes`` (the full, gathered size): ``(g-1)/g * nbytes / bandwidth +
     (g-1) * latency``; ``all_reduce``: twice that; ``send`` / ``recv``: ``nbytes / bandwidth +
-    latency``. A group of one takes 0 s."""
+    latency``. A group of one takes 0 s. A fit in ``collectives[kind]["<size>:intra"|inter]``
+    gives ``latency_s + nbytes / bytes_per_s``."""
     if kind not in COLLECTIVE_KINDS:
         raise OptionError(f"unknown collective kind {kind!r}; allowed: "
                           f"{', '.join(COLLECTIVE_KINDS)}")
@@ -387,6 +387,9 @@ def estimate_collective_s(kind: str, nbytes: int, group_size: int,
     hardware = get_profile(profile)
     if group_size == 1:
         return 0.0
+    fit = (hardware.collectives or {}).get(kind, {}).get(f"{group_size}:{_LINKS[inter_node]}")
+    if fit is not None:
+        return fit["latency_s"] + nbytes / fit["bytes_per_s"]
     if inter_node:
         bandwidth, latency = hardware.inter_node_bytes_per_s, hardware.inter_node_latency_s
     else:

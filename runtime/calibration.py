@@ -1,0 +1,370 @@
+"""Measuring a machine for ``zeroc.calibrate``, checking what it measured, and the profile cache.
+
+``zeroc.calibrate`` (``compiler/calibrate.py``) drives this module; a measured profile is a
+``HardwareProfile`` (``zeroc.runtime.hardware``) with its optional tables set:
+
+- ``matmul_flops[dtype][shape class]``: the mean best FLOP/s of a square and a skinny product
+  of each class of ``SHAPE_CLASSES`` (small / medium / large by FLOPs), fp32 on CPU, bf16 and
+  fp32 on CUDA (``measure_matmul``);
+- ``collectives[kind]["<size>:intra"|"<size>:inter"]``: ``latency_s + nbytes / bytes_per_s``
+  fitted by least squares (``fit_line``) on the times of a few message sizes
+  (``time_collectives``); ``nbytes`` is the full buffer of a gather or reduce-scatter, the
+  buffer of an all-reduce, the message of a send. On gloo a reduce-scatter is timed as zeroc
+  runs it there: an all-reduce and ``zeroc::rank_chunk_mean`` (``zeroc.runtime.collectives``).
+
+Every timed collective runs the same number of times on every rank of its group: the count
+comes from the slowest rank's first call (one all-reduce), so no rank waits for a call another
+rank never makes. ``read_cached`` / ``write_cached`` keep profiles as JSON files: a file read
+must hold the same key, a bad one is logged and measured again, a write is atomic in a
+directory of mode 0o700.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroc.runtime.errors import OptionError
+from zeroc.runtime.hardware import (
+    COLLECTIVE_KINDS,
+    FLOPS_DTYPES,
+    SHAPE_CLASSES,
+    HardwareProfile,
+    _cpu_model,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # of the files under <cache_dir>/calibration/; another one is measured again
+DEFAULT_SECONDS = 0.3  # per measurement: about 3 s on one CPU, 15 s on GPUs with 3 group sizes
+MAX_REPS = 200
+# (m, k, n) of a square and a skinny product per shape class (the class of 2*m*k*n FLOPs).
+MATMUL_SHAPES: dict[str, dict[str, tuple[tuple[int, int, int], ...]]] = {
+    "cpu": {"small": ((128, 128, 128), (8, 512, 1024)),
+            "medium": ((512, 512, 512), (32, 2048, 2048)),
+            "large": ((1792, 1792, 1792), (256, 4096, 5120))},
+    "cuda": {"small": ((256, 256, 256), (16, 1024, 2048)),
+             "medium": ((1024, 1024, 1024), (128, 4096, 4096)),
+             "large": ((8192, 8192, 8192), (1024, 8192, 8192))},
+}
+MATMUL_DTYPES = {"cpu": ("float32",), "cuda": ("bfloat16", "float32")}
+MESSAGE_BYTES = {"cpu": (32 << 10, 512 << 10, 4 << 20), "cuda": (64 << 10, 4 << 20, 64 << 20)}
+MEASURED_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
+_FIT_KEYS = {"latency_s", "bytes_per_s", "op"}
+_GROUP_KEY = re.compile(r"[1-9][0-9]*:(intra|inter)")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_tables(profile: HardwareProfile) -> None:
+    """Check (and store as plain floats) ``profile``'s optional tables; a bad entry raises
+    ``OptionError`` naming it, its value and what is allowed. Run by the profile itself."""
+    where = f"hardware profile {profile.name!r}: key"
+    table = profile.matmul_flops
+    if table is not None:
+        if not isinstance(table, Mapping):
+            raise OptionError(f"{where} 'matmul_flops' = {table!r} must be a dict of dtype -> "
+                              f"{{shape class: FLOP/s}}")
+        for dtype, classes in table.items():
+            if dtype not in FLOPS_DTYPES or not isinstance(classes, Mapping):
+                raise OptionError(f"{where} 'matmul_flops[{dtype!r}]' = {classes!r}: the dtype "
+                                  f"must be one of {', '.join(FLOPS_DTYPES)}, the value a dict")
+            for name, value in classes.items():
+                if name not in SHAPE_CLASSES or not _number(value) or value <= 0:
+                    raise OptionError(f"{where} 'matmul_flops[{dtype!r}][{name!r}]' = {value!r}:"
+                                      f" the class must be one of {', '.join(SHAPE_CLASSES)} "
+                                      "and the FLOP/s > 0")
+        object.__setattr__(profile, "matmul_flops", {
+            d: {c: float(v) for c, v in classes.items()} for d, classes in table.items()})
+    fits = profile.collectives
+    if fits is not None:
+        if not isinstance(fits, Mapping):
+            raise OptionError(f"{where} 'collectives' = {fits!r} must be a dict of kind -> "
+                              "{'<size>:intra' | '<size>:inter': fit}")
+        for kind, groups in fits.items():
+            if kind not in COLLECTIVE_KINDS or not isinstance(groups, Mapping):
+                raise OptionError(f"{where} 'collectives[{kind!r}]' = {groups!r}: the kind must "
+                                  f"be one of {', '.join(COLLECTIVE_KINDS)}, the value a dict")
+            for group, fit in groups.items():
+                name = f"{where} 'collectives[{kind!r}][{group!r}]' = {fit!r}"
+                if not isinstance(group, str) or not _GROUP_KEY.fullmatch(group):
+                    raise OptionError(f"{name}: the group must be '<size>:intra' or "
+                                      "'<size>:inter', e.g. '8:intra'")
+                if not isinstance(fit, Mapping) or set(fit) != _FIT_KEYS or not (
+                        _number(fit["latency_s"]) and fit["latency_s"] >= 0
+                        and _number(fit["bytes_per_s"]) and fit["bytes_per_s"] > 0
+                        and isinstance(fit["op"], str) and fit["op"]):
+                    raise OptionError(f"{name}: a fit is exactly {{'latency_s': >= 0, "
+                                      "'bytes_per_s': > 0, 'op': a non-empty string}")
+        object.__setattr__(profile, "collectives", {k: {g: {
+            "latency_s": float(f["latency_s"]), "bytes_per_s": float(f["bytes_per_s"]),
+            "op": f["op"]} for g, f in groups.items()} for k, groups in fits.items()})
+    note = profile.collectives_note
+    if note is not None and (not isinstance(note, str) or not note.strip()):
+        raise OptionError(f"{where} 'collectives_note' = {note!r} must be a non-empty string "
+                          "or absent")
+
+
+def _key_difference(found: Any, key: Mapping[str, Any]) -> str:
+    if not isinstance(found, Mapping):
+        return f"its key is {found!r}, not a dict"
+    return "measured for another setup: " + "; ".join(
+        f"{k} = {found.get(k)!r}, here {key.get(k)!r}" for k in sorted({*found, *key})
+        if found.get(k) != key.get(k))
+
+
+def read_cached(path: str, key: Mapping[str, Any], what: str, logger: logging.Logger,
+                require: Sequence[str] = ()) -> HardwareProfile | None:
+    """The profile stored in ``path`` for ``key``; ``None`` when there is none or it is corrupt,
+    for another key or lacks a field of ``require`` (the last three logged on ``logger``)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            entry = json.load(handle)
+        if not isinstance(entry, dict):
+            raise ValueError(f"it holds a {type(entry).__name__}, not a dict")
+        if entry.get("key") != key:
+            raise ValueError(_key_difference(entry.get("key"), key))
+        data = entry.get("profile")
+        missing = [k for k in require if not isinstance(data, Mapping) or k not in data]
+        if missing:
+            raise ValueError(f"its profile lacks {', '.join(missing)}")
+        return HardwareProfile.from_dict(data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("ignoring the %s in %s (%s); measuring again", what, path, exc)
+        return None
+
+
+def write_cached(root: str, path: str, key: Mapping[str, Any], profile: HardwareProfile,
+                 what: str, logger: logging.Logger) -> None:
+    """Store ``profile`` for ``key`` in ``path`` (under ``root``, both made with mode 0o700)
+    through a temporary file and ``os.replace``; a failure is only logged."""
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)  # makedirs gives the mode to the leaf only
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump({"key": dict(key), "profile": profile.to_dict()}, handle, indent=1,
+                          sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        logger.warning("could not store the %s in %s: %s", what, path, exc)
+
+
+def machine_name(device: torch.device) -> str:
+    """The CPU model, or the GPU's name as CUDA gives it."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_rate(run: Callable[[], object], work: float, seconds: float,
+              device: torch.device) -> float:
+    """Best ``work`` per second of ``run`` in about ``seconds``: a warm-up call, then batches
+    (doubling while short) until the next would overrun; a warm-up longer than ``seconds``
+    is the only measurement."""
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    first = max(time.perf_counter() - start, 1e-9)
+    if first >= seconds:
+        return work / first
+    end, calls, best = start + seconds, 1, 0.0
+    while True:
+        begin = time.perf_counter()
+        for _ in range(calls):
+            run()
+        _sync(device)
+        now = time.perf_counter()
+        elapsed = max(now - begin, 1e-9)
+        best = max(best, work * calls / elapsed)
+        if elapsed < seconds / 8:
+            calls, elapsed = calls * 2, elapsed * 2
+        if now + elapsed > end:
+            return best
+
+
+def measure_matmul(device: torch.device, seconds: float) -> dict[str, dict[str, float]]:
+    """``{dtype: {shape class: FLOP/s}}`` on ``device``: per class, the mean of the best rates
+    of its shapes in ``MATMUL_SHAPES``, each measured in about ``seconds``. float32 runs as
+    this process is set to run it (TF32 when allowed): the TF32 switches are left alone, as
+    changing them mixes torch's old and new precision APIs (an error on torch >= 2.9)."""
+    table: dict[str, dict[str, float]] = {}
+    shapes = MATMUL_SHAPES[device.type]
+    for name in MATMUL_DTYPES[device.type]:
+        log.info("calibrating %s matmuls on %s: %d shapes in %d classes", name, device,
+                 sum(map(len, shapes.values())), len(shapes))
+        dtype = getattr(torch, name)
+        rates: dict[str, list[float]] = {}
+        for shape_class, products in shapes.items():
+            for m, k, n in products:
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                b = torch.randn(k, n, device=device, dtype=dtype)
+                out = torch.empty(m, n, device=device, dtype=dtype)
+                run = functools.partial(torch.mm, a, b, out=out)
+                rates.setdefault(shape_class, []).append(
+                    best_rate(run, 2.0 * m * k * n, seconds, device))
+                del a, b, out, run
+        table[name] = {c: sum(r) / len(r) for c, r in rates.items()}
+    return table
+
+
+def measure_memory_bandwidth(device: torch.device, seconds: float, total_bytes: int) -> float:
+    """Bytes read plus written per second by a large copy on ``device``."""
+    if device.type == "cuda":
+        nbytes = min(1 << 30, total_bytes // 8)
+    else:
+        nbytes = min(256 << 20 if seconds >= 0.2 else 32 << 20, total_bytes // 16)
+    log.info("calibrating memory bandwidth on %s: copies of %d MiB", device, nbytes >> 20)
+    src = torch.ones(max(nbytes // 4, 1 << 18), device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch every page of both before timing
+    return best_rate(functools.partial(dst.copy_, src), 2.0 * src.nbytes, seconds, device)
+
+
+def measure_launch_floor(device: torch.device, seconds: float) -> float:
+    """Seconds per tiny aten op on ``device`` (dispatch and, on CUDA, kernel launch)."""
+    log.info("calibrating the launch floor on %s", device)
+    a, b, out = (torch.ones(1, device=device) for _ in range(3))
+    return 1.0 / best_rate(functools.partial(torch.add, a, b, out=out), 1.0, seconds, device)
+
+
+def message_bytes(device: torch.device, group_size: int) -> list[int]:
+    """The buffer sizes the collectives are timed at: fp32 buffers that split evenly."""
+    return [4 * max(group_size, n // 4 // group_size * group_size)
+            for n in MESSAGE_BYTES[device.type]]
+
+
+def collective_ops(group: dist.ProcessGroup, device: torch.device) -> dict[str, str]:
+    """What each measured kind runs on ``group``: zeroc's own calls (``zeroc.runtime.zero_ops``;
+    on gloo its reduce-scatter is an all-reduce and ``zeroc::rank_chunk_mean``)."""
+    from zeroc.runtime.collectives import reduce_scatter_runs_as_all_reduce
+    from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single
+
+    as_all_reduce = reduce_scatter_runs_as_all_reduce(group.group_name, device)
+    return {"all_gather": _all_gather_single.__name__,
+            "reduce_scatter": "all_reduce + zeroc::rank_chunk_mean (zeroc's reduce-scatter on "
+                              "gloo, which has no reduce_scatter_tensor)" if as_all_reduce
+            else _reduce_scatter_single.__name__,
+            "all_reduce": "all_reduce",
+            "p2p": "send/recv between group ranks 0 and 1 (half a round trip)"}
+
+
+def _agreed_time(run: Callable[[], None], group: dist.ProcessGroup, device: torch.device,
+                 seconds: float) -> float:
+    """Seconds per call of ``run``, the same number of calls on every rank of ``group``."""
+    run()  # warm-up: connections, communicators
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    first = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+    slowest = max(float(first.item()), 1e-9)
+    reps = int(max(1, min(MAX_REPS, seconds / slowest - 2)))
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    _sync(device)
+    return (time.perf_counter() - start) / reps
+
+
+def _runs(group: dist.ProcessGroup, device: torch.device, nbytes: int,
+          as_all_reduce: bool) -> tuple[Callable[[], None], ...]:
+    """One call of each of ``MEASURED_KINDS`` on an ``nbytes`` buffer."""
+    from zeroc.runtime.collectives import RANK_CHUNK_MEAN
+    from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    peer = dist.get_global_rank(group, 1 - rank) if rank < 2 else None
+    full = torch.zeros(nbytes // 4, device=device)  # zeros: sums stay finite
+    chunk = torch.zeros(nbytes // 4 // size, device=device)
+    inbox = torch.empty_like(full)
+
+    def gather() -> None:
+        _all_gather_single(full, chunk, group=group)
+
+    def reduce_scatter() -> None:
+        if as_all_reduce:
+            flat = full.clone()
+            dist.all_reduce(flat, group=group)
+            RANK_CHUNK_MEAN(flat, size, group.group_name)
+        else:
+            _reduce_scatter_single(chunk, full, group=group)
+
+    def all_reduce() -> None:
+        dist.all_reduce(full, group=group)
+
+    def p2p() -> None:
+        if rank == 0:
+            dist.send(full, dst=peer, group=group)
+            dist.recv(inbox, src=peer, group=group)
+        elif rank == 1:
+            dist.recv(inbox, src=peer, group=group)
+            dist.send(full, dst=peer, group=group)
+
+    return gather, reduce_scatter, all_reduce, p2p
+
+
+def time_collectives(group: dist.ProcessGroup, device: torch.device,
+                     seconds: float) -> dict[str, list[float]]:
+    """Seconds of each of ``MEASURED_KINDS`` on ``group`` at each of ``message_bytes``, each
+    point in about ``seconds``; ``"p2p"`` is one way (0.0 on ranks other than 0 and 1)."""
+    as_all_reduce = "rank_chunk_mean" in collective_ops(group, device)["reduce_scatter"]
+    times: dict[str, list[float]] = {kind: [] for kind in MEASURED_KINDS}
+    for nbytes in message_bytes(device, dist.get_world_size(group)):
+        runs = _runs(group, device, nbytes, as_all_reduce)
+        for kind, run in zip(MEASURED_KINDS, runs, strict=True):
+            seconds_per_call = _agreed_time(run, group, device, seconds)
+            times[kind].append(seconds_per_call / 2 if kind == "p2p" else seconds_per_call)
+        del runs
+    return times
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``t = latency_s + nbytes / bytes_per_s`` fitted by least
+    squares on ``(nbytes, t)`` points, each weighted by ``1 / t**2`` (relative errors: the
+    small messages set the latency, the large ones the bandwidth). A negative latency is
+    refitted as 0 (a line through the origin); times that do not grow with the bytes give the
+    smallest time as latency and the largest message over the largest time as bandwidth."""
+    if len(points) < 2 or any(not (_number(x) and _number(t) and x > 0 and t >= 0)
+                              for x, t in points):
+        raise ValueError(f"fit_line needs two or more (bytes > 0, seconds >= 0) points, got "
+                         f"{list(points)!r}")
+    rows = [(float(x), float(t), 1.0 / max(float(t), 1e-12) ** 2) for x, t in points]
+    w, wx, wt = (sum(c for _, _, c in rows), sum(c * x for x, _, c in rows),
+                 sum(c * t for _, t, c in rows))
+    wxx, wxt = sum(c * x * x for x, _, c in rows), sum(c * x * t for x, t, c in rows)
+    det = w * wxx - wx * wx
+    slope = (w * wxt - wx * wt) / det if det > 0 else 0.0
+    latency = (wt - slope * wx) / w
+    if latency < 0:
+        latency, slope = 0.0, wxt / wxx
+    if slope <= 0:
+        times = [t for _, t, _ in rows]
+        return min(times), max(x for x, _, _ in rows) / max(max(times), 1e-12)
+    return latency, 1.0 / slope
