@@ -1,0 +1,133 @@
+"""``zeroc.tune``: the search space, estimate-then-measure, the cache, and bad input.
+
+Single-process cases tune the tiny zoo GPT over a narrowed search (each candidate is planned
+in the fake world, a few seconds here) on a published profile, so no calibration runs; the
+2-rank case estimates in a spawned child process (the fake world cannot share a process
+with a real process group) and measures on gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from models.gpt import GPT, GPTConfig
+
+import zeroc
+from zeroc.runtime.errors import OptionError
+from zeroc.runtime.hardware import get_profile
+from zeroc.tune_space import Candidate, candidates
+
+NARROW = {"fused_loss": [True, False], "partitioner": ["default"]}
+
+
+def _model_and_inputs() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    model = GPT(GPTConfig.tiny(), seed=0)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    return model, (tokens, tokens)
+
+
+def test_candidates_cover_the_axes_defaults_first() -> None:
+    one = candidates(1, 4)
+    assert {c.zero for c in one} == {0} and {c.pp for c in one} == {1}
+    assert len(one) == 4  # fused_loss x partitioner
+    assert one[0].options_dict() == {"fused_loss": True, "partitioner": "min_cut"}
+    two = candidates(2, 8)
+    assert {c.zero for c in two if c.pp == 1} == {0, 2, 3}
+    piped = [c for c in two if c.pp == 2]
+    assert {c.options_dict()["schedule"] for c in piped} == {"1f1b", "dualpipev"}
+    assert all(8 % c.options_dict()["microbatches"] == 0 for c in piped)
+    assert two[0].zero == 3 and two[0].options_dict()["prefetch"] == 1
+    assert Candidate.from_json(two[5].to_json()) == two[5]
+    with pytest.raises(OptionError, match="unknown search axes"):
+        candidates(2, 8, {"zeros": [3]})
+    with pytest.raises(OptionError, match="does not divide"):
+        candidates(2, 8, {"pp": [3]})
+
+
+def test_tune_measures_the_best_and_caches_it(tmp_path, monkeypatch) -> None:
+    model, inputs = _model_and_inputs()
+    result = zeroc.tune(model, inputs, search=NARROW, budget_s=300, measure_best=2, steps=2,
+                        hardware="a100-80gb", cache_dir=str(tmp_path))
+    assert not result.from_cache and len(result.trials) == 2
+    measured = [t for t in result.trials if t.measured_s is not None]
+    assert len(measured) == 2 and all(t.estimated_s > 0 and t.peak_bytes > 0 for t in measured)
+    assert result.best == min(measured, key=lambda t: t.measured_s).candidate
+    table = result.table()
+    assert "estimated step (ms)" in table and " *" in table
+    saved = json.loads(open(result.cache_file).read())
+    assert Candidate.from_json(saved["best"]) == result.best
+    assert os.stat(os.path.dirname(result.cache_file)).st_mode & 0o777 == 0o700
+
+    tune_module = sys.modules["zeroc.tune"]  # zeroc.tune is the function
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("a cached layout must not be searched again")
+
+    monkeypatch.setattr(tune_module, "estimate_all", no_search)
+    again = zeroc.tune(model, inputs, search=NARROW, hardware="a100-80gb",
+                       cache_dir=str(tmp_path))
+    assert again.from_cache and again.best == result.best
+    options = again.apply(model)
+    assert options == result.best.options_dict()
+    compiled = torch.compile(model, backend="zeroc", options=options)
+    assert torch.isfinite(compiled(*inputs))
+
+
+def test_cache_from_another_torch_version_is_ignored(tmp_path, monkeypatch, caplog) -> None:
+    model, inputs = _model_and_inputs()
+    first = zeroc.tune(model, inputs, search={"fused_loss": [True], "partitioner": ["default"]},
+                       budget_s=300, measure_best=1, steps=1, hardware="a100-80gb",
+                       cache_dir=str(tmp_path))
+    saved = json.loads(open(first.cache_file).read())
+    saved["versions"]["torch"] = "1.0.0"
+    open(first.cache_file, "w").write(json.dumps(saved))
+    with caplog.at_level(logging.INFO, logger="zeroc"):
+        again = zeroc.tune(model, inputs, search={"fused_loss": [True],
+                                                  "partitioner": ["default"]},
+                           budget_s=300, measure_best=1, steps=1, hardware="a100-80gb",
+                           cache_dir=str(tmp_path))
+    assert not again.from_cache
+    assert any("tuned with" in r.getMessage() and "1.0.0" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_budget_too_small_says_how_long_one_takes(tmp_path) -> None:
+    model, inputs = _model_and_inputs()
+    with pytest.raises(OptionError, match=r"budget_s=0.01 is too small: .* s a candidate"):
+        zeroc.tune(model, inputs, search={"fused_loss": [True], "partitioner": ["default"]},
+                   budget_s=0.01, hardware="a100-80gb", cache_dir=str(tmp_path))
+
+
+def test_nothing_fits_names_the_smallest_peak(tmp_path) -> None:
+    model, inputs = _model_and_inputs()
+    tiny = {**get_profile("a100-80gb").to_dict(), "name": "tiny", "memory_bytes": 1000}
+    with pytest.raises(OptionError, match=r"no candidate fits in memory on cpu: the smallest "
+                                          r"planned peak is .*KiB against 1000 B"):
+        zeroc.tune(model, inputs, search={"fused_loss": [True], "partitioner": ["default"]},
+                   budget_s=300, hardware=tiny, cache_dir=str(tmp_path))
+
+
+def tune_job(rank: int, world: int, cache_dir: str) -> dict:
+    model, inputs = _model_and_inputs()
+    result = zeroc.tune(model, inputs, search={"zero": [2, 3], "fused_loss": [True],
+                                               "partitioner": ["default"], "pp": [1],
+                                               "prefetch": [1]},
+                        budget_s=400, measure_best=2, steps=2, hardware="a100-80gb",
+                        cache_dir=cache_dir)
+    return {"best": result.best, "measured": [t.measured_s for t in result.trials],
+            "estimated": [t.estimated_s for t in result.trials]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ranks_agree_on_the_layout(tmp_path) -> None:
+    ranks = run_ranks(tune_job, 2, str(tmp_path), timeout=500)
+    assert ranks[0] == ranks[1]
+    assert {c for c in [ranks[0]["best"].zero]} <= {2, 3}
+    assert all(m is not None and m > 0 for m in ranks[0]["measured"])
