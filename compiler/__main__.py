@@ -1,18 +1,20 @@
 """``python -m zeroc <command>``: ``demo`` trains a small GPT with zeroc and prints its plan;
-``explain`` plans a job for a world that is not there (``zeroc.explain_cli``)."""
+``explain`` plans a job for a world that is not there (``zeroc.explain_cli``); ``tune``
+chooses a layout and options (``zeroc.tune_cli``)."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("demo", "explain")
+COMMANDS = ("demo", "explain", "tune")
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: python -m zeroc {{{','.join(COMMANDS)}}} [options]\n"
               "  demo     train the zoo GPT with zeroc; print the loss per step and the plan\n"
-              "  explain  plan a W-rank job on this machine (FILE.py:FACTORY --world W ...)")
+              "  explain  plan a W-rank job on this machine (FILE.py:FACTORY --world W ...)\n"
+              "  tune     choose a layout and options (FILE.py:FACTORY --nproc N --budget S)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
@@ -23,6 +25,10 @@ def main(argv: list[str]) -> int:
         from zeroc.explain_cli import run_explain
 
         return run_explain(rest)
+    if command == "tune":
+        from zeroc.tune_cli import run_tune
+
+        return run_tune(rest)
     print(f"python -m zeroc: unknown command {command!r}; known: {list(COMMANDS)}",
           file=sys.stderr)
     return 2

@@ -54,12 +54,14 @@ class Trial:
     peak_bytes: int | None = None
     measured_s: float | None = None
     rejected: str = ""
+    # The estimate's parts: compute_s, exposed_communication_s, optimizer_s, bubble.
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form."""
         return {"candidate": self.candidate.to_json(), "estimated_s": self.estimated_s,
                 "peak_bytes": self.peak_bytes, "measured_s": self.measured_s,
-                "rejected": self.rejected}
+                "rejected": self.rejected, "parts": self.parts}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +72,35 @@ class TuneResult:
     trials: tuple[Trial, ...]
     from_cache: bool
     cache_file: str
+    measured: bool = True  # False: chosen by the estimate alone (a world that is not here)
+
+    def why(self) -> str:
+        """Why the winner wins: its memory, bubble and exposed communication against the
+        runner-up's, from the estimates."""
+        by = {t.candidate: t for t in self.trials}
+        best = by.get(self.best)
+        if best is None or best.estimated_s is None:
+            return f"{self.best.label()}: from the cache"
+        others = sorted((t for t in self.trials if t.estimated_s is not None and not
+                         t.rejected and t.candidate != self.best), key=lambda t: t.estimated_s)
+        fits = sum(1 for t in self.trials if t.peak_bytes and not t.rejected.startswith("needs"))
+        text = (f"{self.best.label()}: estimated step {best.estimated_s * 1e3:.3g} ms, peak "
+                f"{human_bytes(best.peak_bytes or 0)} ({fits} of {len(self.trials)} candidates "
+                f"fit in memory), bubble {best.parts.get('bubble', 0.0):.0%}, exposed "
+                f"communication {best.parts.get('exposed_communication_s', 0.0) * 1e3:.3g} ms")
+        if others:
+            runner = others[0]
+            text += (f"; next best {runner.candidate.label()} at "
+                     f"{runner.estimated_s * 1e3:.3g} ms (bubble "
+                     f"{runner.parts.get('bubble', 0.0):.0%}, exposed communication "
+                     f"{runner.parts.get('exposed_communication_s', 0.0) * 1e3:.3g} ms)")
+        return text
 
     def table(self) -> str:
         """The trials as a table: candidate, estimated and measured step, peak, why rejected."""
         rows = [[t.candidate.label() + (" *" if t.candidate == self.best else ""),
-                 "-" if t.estimated_s is None else f"{t.estimated_s * 1e3:.2f}",
-                 "-" if t.measured_s is None else f"{t.measured_s * 1e3:.1f}",
+                 "-" if t.estimated_s is None else f"{t.estimated_s * 1e3:.3g}",
+                 "-" if t.measured_s is None else f"{t.measured_s * 1e3:.3g}",
                  "-" if t.peak_bytes is None else human_bytes(t.peak_bytes), t.rejected]
                 for t in self.trials]
         return tabulate(rows, headers=["candidate (* chosen)", "estimated step (ms)",
@@ -176,7 +201,7 @@ def _agree_failed(failed: bool) -> bool:
 def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
          search: dict[str, Any] | None = None, measure_best: int = 3, steps: int = 5,
          device: str | None = None, hardware: Any = None, cache_dir: str | None = None,
-         force: bool = False) -> TuneResult:
+         force: bool = False, world: int | None = None) -> TuneResult:
     """Choose a layout and options for ``model`` (not yet parallelized) on this world.
 
     ``example_inputs``: one replica's batch (a tuple or a dict of keyword inputs; under
@@ -185,11 +210,19 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
     measuring; ``measure_best``: how many candidates run for real. ``hardware``: the profile
     estimates use (default: ``zeroc.calibrate()`` of this machine). Returns a ``TuneResult``;
     ``result.apply(model)`` parallelizes and returns the compile options.
+
+    ``world=W`` (not this process's world) ranks layouts for a W-rank job from the fake world
+    alone, measuring nothing (``result.measured`` is False; ``result.why()`` says why the
+    winner wins). The model may then be on the meta device.
     """
     if budget_s <= 0 or measure_best < 1 or steps < 1:
         raise OptionError(f"zeroc.tune: budget_s={budget_s!r} must be > 0, measure_best="
                           f"{measure_best!r} and steps={steps!r} >= 1")
-    world, rank = _world()
+    here, rank = _world()
+    planning = world is not None and world != here
+    world = here if world is None else world
+    if world < 1:
+        raise OptionError(f"zeroc.tune: world={world!r} must be a positive number of ranks")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     key = model_key(model, example_inputs)
     path = cache_path(cache_dir, key, world, device)
@@ -197,8 +230,8 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
     if cached is not None:
         log.info("zeroc.tune: using the cached layout %s from %s", cached["best"], path)
         trials = tuple(Trial(Candidate.from_json(t["candidate"]), t["estimated_s"],
-                             t["peak_bytes"], t["measured_s"], t["rejected"])
-                       for t in cached.get("trials", ()))
+                             t["peak_bytes"], t["measured_s"], t["rejected"],
+                             dict(t.get("parts", {}))) for t in cached.get("trials", ()))
         return TuneResult(Candidate.from_json(cached["best"]), trials, True, path)
     start = time.perf_counter()
     if hardware is None:
@@ -213,8 +246,10 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
                              progress=lambda d, t: _progress(rank, "estimating", d, t))
     trials = []
     for candidate in space:
-        step, peak, reason = estimates.get(candidate, (None, None, "not estimated: budget spent"))
-        trials.append(Trial(candidate, estimated_s=step, peak_bytes=peak, rejected=reason))
+        step, peak, reason, parts = estimates.get(
+            candidate, (None, None, "not estimated: budget spent", {}))
+        trials.append(Trial(candidate, estimated_s=step, peak_bytes=peak, rejected=reason,
+                            parts=parts))
     capacity = hardware.memory_bytes
     for trial in trials:
         if not trial.rejected and capacity and trial.peak_bytes and trial.peak_bytes > capacity:
@@ -231,6 +266,14 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
                 "widen the search (more pipeline stages, ZeRO-3) or use a smaller batch")
         reasons = sorted({t.rejected for t in trials})
         raise OptionError(f"zeroc.tune: no candidate could be planned ({'; '.join(reasons)})")
+    if planning:
+        planned = [t for t in alive if t.estimated_s is not None]
+        if not planned:
+            raise OptionError("zeroc.tune: no candidate could be estimated for world="
+                              f"{world}; see the log for why")
+        result = TuneResult(planned[0].candidate, tuple(trials), False, path, measured=False)
+        log.info("zeroc.tune: planned world %d: %s\n%s", world, result.why(), result.table())
+        return result
     spent = time.perf_counter() - start
     one = spent / max(1, sum(1 for t in trials if t.estimated_s is not None))
     if spent > budget_s:

@@ -32,7 +32,8 @@ __all__ = ["estimate_all"]
 
 log = logging.getLogger(__name__)
 
-Estimate = tuple[float | None, int | None, str]
+# (estimated step s, largest planned peak bytes, why rejected, the estimate's parts).
+Estimate = tuple[float | None, int | None, str, dict[str, float]]
 ESTIMATE_SHARE = 0.5  # of the budget, at most, for estimating
 
 
@@ -47,12 +48,15 @@ def _estimate(model: nn.Module, example_inputs: Any, candidate: Candidate, world
     except Exception as error:  # a candidate the model cannot take is rejected, not fatal
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         log.info("zeroc.tune: cannot plan %s: %s", candidate.label(), reason)
-        return None, None, f"cannot plan: {reason[:100]}"
+        return None, None, f"cannot plan: {reason[:100]}", {}
     peak = max((m.peak for m in plan.memory), default=None)
-    step = plan.estimate.step_s if plan.estimate is not None else None
-    if step is None:
-        return None, peak, "no step estimate"
-    return step, peak, ""
+    estimate = plan.estimate
+    if estimate is None:
+        return None, peak, "no step estimate", {}
+    parts = {"compute_s": estimate.compute_s,
+             "exposed_communication_s": estimate.exposed_communication_s,
+             "optimizer_s": estimate.optimizer_s, "bubble": estimate.bubble}
+    return estimate.step_s, peak, "", parts
 
 
 def _estimate_here(model: nn.Module, example_inputs: Any, space: list[Candidate], world: int,
@@ -142,7 +146,7 @@ def estimate_all(model: nn.Module, example_inputs: Any, space: list[Candidate], 
                                    budget_s)
         # Unplanned: every candidate competes, in the search's order (defaults first).
         box[0] = found if found is not None else {
-            c: (None, None, "") for c in space}
+            c: (None, None, "", {}) for c in space}
         if progress is not None:
             progress(len(space), len(space))
     dist.broadcast_object_list(box, src=0)

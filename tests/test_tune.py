@@ -131,3 +131,64 @@ def test_two_ranks_agree_on_the_layout(tmp_path) -> None:
     assert ranks[0] == ranks[1]
     assert {c for c in [ranks[0]["best"].zero]} <= {2, 3}
     assert all(m is not None and m > 0 for m in ranks[0]["measured"])
+
+
+def test_planning_a_world_that_is_not_here_ranks_by_estimate(tmp_path) -> None:
+    model, inputs = _model_and_inputs()
+    search = {"pp": [1, 2], "zero": [3], "fused_loss": [True], "partitioner": ["default"],
+              "schedule": ["1f1b"], "microbatches": [2], "prefetch": [1]}
+    result = zeroc.tune(model, inputs, world=4, search=search, hardware="h100-sxm",
+                        device="cpu", cache_dir=str(tmp_path))
+    assert not result.measured and all(t.measured_s is None for t in result.trials)
+    estimated = [t for t in result.trials if t.estimated_s is not None]
+    assert {t.candidate.pp for t in estimated} == {1, 2}
+    assert result.best == min(estimated, key=lambda t: t.estimated_s).candidate
+    why = result.why()
+    assert result.best.label() in why and "bubble" in why and "next best" in why
+    piped = next(t for t in estimated if t.candidate.pp == 2)
+    assert piped.parts["bubble"] > 0  # a 2-stage 1F1B pipeline of 2 micro-batches idles
+
+
+FACTORY = '''
+import torch
+from torch import nn
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def build():
+    torch.manual_seed(0)
+    return TwoLayer(), (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+'''
+
+
+def test_cli_plans_a_world_and_documents_every_flag(tmp_path) -> None:
+    import subprocess
+
+    from zeroc.tune_cli import _parser
+
+    help_text = _parser().format_help()
+    for flag in ("--nproc", "--budget", "--search", "--measure", "--steps", "--world",
+                 "--device", "--hardware", "--cache-dir", "--force", "--json"):
+        assert flag in help_text, flag
+    factory = tmp_path / "factory.py"
+    factory.write_text(FACTORY)
+    out = tmp_path / "tuned.json"
+    search = json.dumps({"zero": [2, 3], "fused_loss": [True], "partitioner": ["default"],
+                         "pp": [1], "prefetch": [1]})
+    done = subprocess.run(
+        [sys.executable, "-m", "zeroc", "tune", f"{factory}:build", "--world", "4",
+         "--hardware", "h100-sxm", "--device", "cpu", "--search", search,
+         "--cache-dir", str(tmp_path / "cache"), "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "chosen: zero" in done.stdout and "why: " in done.stdout
+    saved = json.loads(out.read_text())
+    assert saved["measured"] is False and len(saved["trials"]) == 2

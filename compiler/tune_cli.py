@@ -1,0 +1,143 @@
+"""``python -m zeroc tune FILE.py:FACTORY ...``: tune a model from the command line.
+
+``FACTORY()`` returns ``(model, example_inputs)`` (as for ``python -m zeroc explain``). Three
+ways to run:
+
+- ``--nproc N`` (default 1): starts N local ranks on gloo itself (as the demo does) and tunes
+  on them;
+- under ``torchrun`` (``WORLD_SIZE`` set): tunes on the world torchrun started (NCCL on CUDA);
+- ``--world W``: plans a W-rank job from the fake world alone (``--hardware``, ``--device``),
+  measuring nothing.
+
+Rank 0 prints the table of candidates, the winner and why; ``--json`` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_tune"]
+
+_HOST = "127.0.0.1"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m zeroc tune",
+        description="Choose a layout and options for a model: estimate every candidate in the "
+                    "fake world, measure the best few on real ranks, cache the winner.")
+    parser.add_argument("factory", help="path/to/file.py:function returning (model, "
+                        "example_inputs); the model not yet parallelized")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="local ranks to start and tune on (gloo); ignored under torchrun")
+    parser.add_argument("--budget", type=float, default=300.0,
+                        help="seconds for estimating and measuring (default 300)")
+    parser.add_argument("--search", default="{}", metavar="JSON",
+                        help='axes to narrow or widen, e.g. \'{"zero": [2, 3]}\' (axes: zero, '
+                             "pp, schedule, microbatches, bucket_mb, prefetch, fused_loss, "
+                             "partitioner)")
+    parser.add_argument("--measure", type=int, default=3,
+                        help="how many of the best estimates to measure (default 3)")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed training steps per measured candidate (default 5)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="plan a job of this many ranks from the fake world alone "
+                             "(no measuring)")
+    parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                        help="device to tune for (default: cuda if available, else cpu)")
+    parser.add_argument("--hardware", default=None,
+                        help="hardware profile for the estimates (a100-80gb, h100-sxm, h200; "
+                             "default: calibrate this machine)")
+    parser.add_argument("--cache-dir", default=None, help="zeroc's cache (default ~/.cache/zeroc)")
+    parser.add_argument("--force", action="store_true", help="search even if a result is cached")
+    parser.add_argument("--json", metavar="PATH", help="write the winner and the table here")
+    return parser
+
+
+def load_factory(spec: str) -> Any:
+    """The callable named by ``path/to/file.py:name``, its module importable by its file name
+    (so the planning child process can unpickle the model's classes)."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name or not os.path.isfile(path):
+        raise ValueError(f"factory {spec!r} is not allowed: write path/to/file.py:function "
+                         "naming an existing file")
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    module_name = os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"factory {spec!r}: {path} has no function {name!r}")
+    return factory
+
+
+def _tune(args: argparse.Namespace, rank: int) -> int:
+    import zeroc
+
+    model, example_inputs = load_factory(args.factory)()
+    result = zeroc.tune(model, example_inputs, budget_s=args.budget,
+                        search=json.loads(args.search), measure_best=args.measure,
+                        steps=args.steps, device=args.device, hardware=args.hardware,
+                        cache_dir=args.cache_dir, force=args.force, world=args.world)
+    if rank == 0:
+        print(result.table())
+        print(f"chosen: {result.best.label()}"
+              + (" (from the cache)" if result.from_cache else ""))
+        print(f"why: {result.why()}")
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"best": result.best.to_json(), "measured": result.measured,
+                           "trials": [t.to_json() for t in result.trials]}, handle, indent=1)
+    return 0
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore(_HOST, port, world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        _tune(args, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tune(argv: list[str]) -> int:
+    """Parse ``argv`` and tune; the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("zeroc.tune").setLevel(logging.INFO)
+    if args.world is not None:
+        return _tune(args, 0)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():  # under torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        try:
+            return _tune(args, dist.get_rank())
+        finally:
+            dist.destroy_process_group()
+    if args.nproc < 1:
+        print(f"python -m zeroc tune: --nproc={args.nproc} must be >= 1", file=sys.stderr)
+        return 2
+    if args.nproc == 1:
+        return _tune(args, 0)
+    store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False)
+    torch.multiprocessing.start_processes(
+        _rank_main, args=(args.nproc, store.port, args), nprocs=args.nproc,
+        start_method="spawn")
+    return 0
