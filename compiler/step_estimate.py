@@ -36,7 +36,13 @@ ADAMW_BYTES_PER_ELEMENT = 28  # read p, g, m, v and write p, m, v: 7 fp32 values
 
 
 def _graph_s(graph: Any, dtype: str, profile: Any) -> float:
-    return estimate_compute_s(graph.flops, graph.bytes, dtype, profile)
+    """A graph's compute time: the roofline of every node that does work (FLOPs or bytes),
+    each at least the profile's launch floor (on a CPU or for small ops the floor is most of
+    the time); a graph without node costs as one roofline."""
+    working = [c for c in getattr(graph, "node_costs", ()) if c.flops or c.bytes]
+    if not working:
+        return estimate_compute_s(graph.flops, graph.bytes, dtype, profile)
+    return sum(estimate_compute_s(c.flops, c.bytes, dtype, profile) for c in working)
 
 
 def _stage_costs(plans: list[Any], num_stages: int, dtype: str,
