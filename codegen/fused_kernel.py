@@ -4,11 +4,13 @@ A :class:`FusedKernel` holds the kernel IR, its generated Triton source and the 
 original aten ops as a small GraphModule. Called with the group's input tensors it returns the
 group's outputs (one tensor, or a tuple), either by launching the Triton kernel or by running
 the aten ops, which are correct by construction. Outputs are always fresh contiguous tensors,
-whichever path runs, so the graph's fake metadata holds for both.
+whichever path runs, so the graph's fake metadata holds for both. While a ``torch.profiler``
+records, each call runs inside ``record_function("zeroc/<kernel name>")``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,8 +20,11 @@ from zeroc.codegen import autotune
 from zeroc.codegen.compile_cache import load_kernel, source_hash
 from zeroc.codegen.kernel_ir import KernelIR
 from zeroc.runtime.errors import OptionError
+from zeroc.runtime.executor import PROFILE_PREFIX, record
 from zeroc.runtime.plan import record_launch
 from zeroc.runtime.records import KernelInfo
+
+log = logging.getLogger(__name__)
 
 KERNEL_BACKENDS = ("auto", "triton", "aten")
 
@@ -80,6 +85,7 @@ class FusedKernel:
         self.cache_dir = cache_dir
         self.__name__ = ir.name
         self.__qualname__ = ir.name
+        self.profile_name = PROFILE_PREFIX + ir.name
         self.tune = tune
         self.info: KernelInfo | None = None
         self._config: autotune.LaunchConfig | None = None
@@ -91,10 +97,11 @@ class FusedKernel:
         return self
 
     def __call__(self, *inputs: torch.Tensor):
-        if self.backend == "triton" and self._can_launch(inputs):
-            outputs = self.launch(inputs)
-        else:
-            outputs = self.run_aten(inputs)
+        with record(self.profile_name):
+            if self.backend == "triton" and self._can_launch(inputs):
+                outputs = self.launch(inputs)
+            else:
+                outputs = self.run_aten(inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _can_launch(self, inputs: tuple[torch.Tensor, ...]) -> bool:
@@ -151,6 +158,8 @@ class FusedKernel:
 
         self._config = autotune.choose_config(self.ir, device, self.tune, key, self.cache_dir,
                                               trial)
+        log.debug("zeroc: kernel %s launches with %s%s", self.ir.name, self._config.to_json(),
+                  " (tuned)" if key is not None else "")
         if self.info is not None:
             record_launch(self.info, tuple(self._config.to_json().items()))
         return self._config

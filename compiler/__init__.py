@@ -1,9 +1,9 @@
 """zeroc: a torch.compile backend for ZeRO-sharded, pipelined training with a readable plan.
 
-``parallelize``, ``calibrate``, ``full_state_dict`` and ``load_full_state_dict`` are imported
-at once: the functions ``parallelize`` and ``calibrate`` share their names with their
-submodules, and importing a submodule later would otherwise replace the function on this
-package. The rest is imported lazily so that
+``parallelize``, ``calibrate``, ``tune``, ``full_state_dict`` and ``load_full_state_dict`` are
+imported at once: the functions ``parallelize``, ``calibrate`` and ``tune`` share their names
+with their submodules, and importing a submodule later would otherwise replace the function on
+this package. The rest is imported lazily so that
 ``import zeroc.runtime`` (which runs this file first) stays light.
 """
 
@@ -12,8 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from zeroc.calibrate import calibrate
+from zeroc.log_setup import register_logging
 from zeroc.parallelize import parallelize
 from zeroc.state_dict import full_state_dict, load_full_state_dict
+from zeroc.tune import tune
+
+register_logging()  # TORCH_LOGS="zeroc" / "+zeroc" turns zeroc's loggers on
 
 if TYPE_CHECKING:
     from zeroc.config import Config
@@ -42,6 +46,7 @@ __all__ = [
     "no_sync",
     "parallelize",
     "set_requires_gradient_sync",
+    "tune",
 ]
 
 _LAZY = {

@@ -11,6 +11,7 @@ after the graph, ``torch.no_grad()`` takes the inference graph, and autograd cal
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,8 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 
 from zeroc.codegen.inductor_graphs import InductorGraph, inductor_decompositions, kernel_path
 from zeroc.config import Config
-from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
+from zeroc.log_setup import CompileProgress, decisions
+from zeroc.passes.base import PassContext, count_nodes, graph_text, pass_infos, run_passes
 from zeroc.passes.decompositions import decomposition_table
 from zeroc.passes.pipeline import DYNAMO_PASSES, JOINT_PASSES, graph_passes
 from zeroc.runtime.consistency import check_same_graph
@@ -33,6 +35,8 @@ from zeroc.runtime.records import ParamInfo
 from zeroc.session import CompiledGraph, CompileSession
 
 SOURCE_NAME_META = "zeroc_source_name"
+
+log = logging.getLogger(__name__)
 
 
 def source_name(placeholder: torch.fx.Node) -> str:
@@ -95,10 +99,12 @@ def compile_dynamo_graph(
 ) -> Callable[..., Any]:
     """Compile one Dynamo graph; returns the callable Dynamo will run in its place."""
     prefix = f"g{session.next_graph_index()}"
+    progress = CompileProgress(log, prefix)
     record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
                            dynamo_code=graph_text(gm))
     device = _graph_device(example_inputs)
     record.device = str(device)
+    log.debug("zeroc: %s: a Dynamo graph of %d nodes on %s", prefix, len(gm.graph.nodes), device)
     input_names = _input_names(gm)
     # ZeRO-1 parameters use stage-0 ops: the model's stage comes from its layout.
     layout = next((v._zeroc_layout for v in example_inputs if hasattr(v, "_zeroc_layout")), None)
@@ -125,6 +131,12 @@ def compile_dynamo_graph(
     def make_compiler(kind: str) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
         def compile_graph(graph: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
             name = f"{prefix}.{kind}"
+            # The training forward compiles first, then its backward; inference alone.
+            position = "graph 2 of 2" if kind == "backward" else (
+                "graph 1 of 2" if kind == "forward" else "graph 1 of 1")
+            if kind == "backward":  # compiled on the first backward: timed from here
+                progress.lap()
+            progress.step("the %s, %s", kind, position)
             zero, zero_group = _zero_markers(graph)
             if zero_group:
                 record.zero = layout.zero if layout is not None else max(record.zero, zero)
@@ -140,7 +152,8 @@ def compile_dynamo_graph(
             record.graphs.append(graph_info(graph, name, kind, text))
             record.kernels.extend(ctx.kernels)
             record.collectives.extend(ctx.collectives)
-            record.passes.extend(pass_infos(pass_records))
+            infos = pass_infos(pass_records)
+            record.passes.extend(infos)
             record.transient_bytes = max(record.transient_bytes,
                                          peak_bytes(graph, include_inputs=False))
             if kind == "forward":
@@ -154,6 +167,13 @@ def compile_dynamo_graph(
                 if not compiled.collectives_kept:
                     record.collectives_moved.append(name)
                 run_boxed = compiled.run_boxed
+            if log.isEnabledFor(logging.INFO):
+                # The forward's line also says what the Dynamo and joint passes decided.
+                earlier = (f"{prefix}.dynamo", f"{prefix}.joint") if kind != "backward" else ()
+                done = [p for p in record.passes if p.graph in earlier] + infos
+                log.info("zeroc: %s compiled in %.2f s (%s, %s kernels): %d nodes; %s", name,
+                         progress.lap(), position, path, count_nodes(graph),
+                         decisions(done))
             _release_metadata(graph)
             return GraphExecutor(graph, name, run_boxed)
 

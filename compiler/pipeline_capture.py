@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.codegen.inductor_graphs import inductor_decompositions, kernel_path
 from zeroc.config import Config
+from zeroc.log_setup import CompileProgress, decisions
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.hoist_unshard import full_size_inputs, hoist_unshards
@@ -62,6 +64,8 @@ from zeroc.stage_holding import keep_only
 from zeroc.stage_kernels import compile_stages_with_inductor, inductor_after
 
 LAYOUT_ATTR = "_zeroc_layout"
+
+log = logging.getLogger(__name__)
 
 
 class PipelineError(ValueError):
@@ -234,6 +238,7 @@ def _compile_pipeline(
     """``gm``: the graph at the call's sizes. ``dynamic_gm``: the same graph with a symbolic
     batch dimension, if Dynamo gave one: the stages are then traced from it at the
     micro-batch size; otherwise ``gm``'s batch-size constants are rewritten."""
+    progress = CompileProgress(log, "pipeline")
     params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
     _check_one_graph(gm, layout, params)
     loss_output = keep_loss_output(gm, params)
@@ -252,6 +257,7 @@ def _compile_pipeline(
         raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
                          f"microbatches={microbatches}: {error}") from None
     prefix = f"g{session.next_graph_index()}"
+    progress.what = prefix
     record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
                            dynamo_code=graph_text(gm))
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
@@ -289,8 +295,17 @@ def _compile_pipeline(
     record.zero = layout.zero
     record.zero_group = layout.dp_group_name
     path = kernel_path(config.kernels, device)
-    programs = {s: _compile_stage(split, s, example_inputs, batch_inputs, batch // microbatches,
-                                  config, record, names, device, path) for s in mine}
+    log.debug("zeroc: %s: traced and split into %d stages in %.2f s", prefix,
+              schedule.num_stages, progress.lap())
+    programs = {}
+    for k, s in enumerate(mine):
+        progress.step("stage %d of %d on this rank (s%d of %d)", k + 1, len(mine), s,
+                      schedule.num_stages)
+        programs[s] = _compile_stage(split, s, example_inputs, batch_inputs,
+                                     batch // microbatches, config, record, names, device, path)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("zeroc: %s.s%d compiled in %.2f s: %s", prefix, s, progress.lap(),
+                      decisions(p for p in record.passes if p.graph.startswith(f"{prefix}.s{s}.")))
     if any(a.kind is ActionKind.FB for a in schedule.actions[position]):
         for a in schedule.actions[position]:
             if a.kind is ActionKind.FB and a.b_stage not in programs[a.stage].overlapped:
@@ -330,8 +345,10 @@ def _compile_pipeline(
         ),
         programs,
     )
+    step_buckets = []
     if executor.zero is not None:  # ZeRO once per step: the plan lists the step's buckets
-        record.collectives.extend(executor.zero.collectives(example_inputs, f"{prefix}.step"))
+        step_buckets = executor.zero.collectives(example_inputs, f"{prefix}.step")
+        record.collectives.extend(step_buckets)
     # Full (unsharded) sizes: a ZeRO shard's numel is its share, not the parameter's.
     records = getattr(layout, "params", ())
     full_numel = {r.param_name: r.numel for r in records}
@@ -352,6 +369,15 @@ def _compile_pipeline(
         stage_param_names={s.index: tuple(_param_name(example_inputs[i])
                                           for i in s.param_inputs) for s in split.stages})
     grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad))
+    if log.isEnabledFor(logging.INFO):
+        log.info("zeroc: %s compiled in %.2f s (%s kernels): pipeline of %d stages, s%s on this "
+                 "rank (position %d of %d); schedule %s, %d micro-batches of %d, %d actions "
+                 "here; per-step ZeRO buckets: %d gathers, %d reductions; %s", prefix,
+                 progress.elapsed(), path, schedule.num_stages, ", s".join(map(str, mine)),
+                 position + 1, pp, schedule.name, microbatches, microbatch,
+                 len(schedule.actions[position]),
+                 sum(c.op == "all_gather" for c in step_buckets),
+                 sum(c.op != "all_gather" for c in step_buckets), decisions(record.passes))
     return PipelinedStep(executor, grad_inputs, loss_output)
 
 

@@ -8,6 +8,8 @@ graph, recompiles it, and records the graph text before and after (provenance), 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +17,8 @@ import torch
 import torch.fx
 
 from zeroc.runtime.records import PassInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +92,15 @@ def run_passes(
     passes: Sequence[GraphPass],
     record: bool = True,
 ) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
-    """Apply ``passes`` in order; return the final graph and one record per pass."""
+    """Apply ``passes`` in order; return the final graph and one record per pass.
+
+    Each pass's stats are logged at DEBUG (``TORCH_LOGS="+zeroc"``)."""
     records: list[PassRecord] = []
+    debug = log.isEnabledFor(logging.DEBUG)
     for graph_pass in passes:
         before = graph_text(gm) if record else ""
         n_before = count_nodes(gm)
+        start = time.perf_counter()
         result = graph_pass(gm, ctx)
         if not isinstance(result, PassResult):
             raise TypeError(f"pass {graph_pass.__name__} returned {type(result).__name__}, "
@@ -112,4 +120,11 @@ def run_passes(
                 stats=dict(result.stats),
             )
         )
+        if debug:
+            last = records[-1]
+            log.debug("zeroc: %s: pass %s %s, %d -> %d nodes in %.1f ms%s", ctx.graph_name,
+                      last.pass_name, "changed" if last.changed else "unchanged",
+                      last.nodes_before, last.nodes_after,
+                      1e3 * (time.perf_counter() - start),
+                      "".join(f", {k}={v}" for k, v in sorted(last.stats.items())))
     return gm, records

@@ -3,19 +3,43 @@
 A ``GraphExecutor`` runs one functional graph produced by the pass pipeline. It uses the
 boxed calling convention AOTAutograd expects: it empties the caller's argument list, so the
 caller keeps no reference to inputs (saved activations) once the graph has run.
+
+While a ``torch.profiler`` records, each call runs inside ``record_function("zeroc/<name>")``
+(e.g. ``zeroc/g0.forward``), so the graph and the ZeRO waits in it show in the user's trace.
+``record`` is that helper for the other runtime and codegen call sites: without an active
+profiler it returns a shared no-op context, so the hot paths pay one C++ flag check.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.fx
 
 from zeroc.runtime.collectives import ISSUE_OPS
 from zeroc.runtime.errors import CollectiveError
 from zeroc.runtime.step_memory import tracking, tracking_scope
+
+log = logging.getLogger(__name__)
+
+PROFILE_PREFIX = "zeroc/"
+_NOT_RECORDING = contextlib.nullcontext()
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def profiling() -> bool:
+    """Whether a torch profiler is recording now."""
+    return _profiler_enabled()
+
+
+def record(name: str) -> contextlib.AbstractContextManager[Any]:
+    """``torch.profiler.record_function(name)`` while a profiler records, else a no-op."""
+    return torch.profiler.record_function(name) if _profiler_enabled() else _NOT_RECORDING
 
 
 class GraphExecutor:
@@ -34,15 +58,19 @@ class GraphExecutor:
         self.run_boxed = run_boxed
         self.communicates = any(
             n.op == "call_function" and n.target in ISSUE_OPS for n in gm.graph.nodes)
+        self.profile_name = PROFILE_PREFIX + name
 
     def __call__(self, args: list[Any]) -> Any:
+        if self.calls == 0:
+            log.debug("zeroc: running %s for the first time", self.name)
         self.calls += 1
         inputs = list(args)
         args.clear()
-        if not tracking():
-            return self._run(inputs)
-        with tracking_scope():
-            return self._run(inputs)
+        with record(self.profile_name):
+            if not tracking():
+                return self._run(inputs)
+            with tracking_scope():
+                return self._run(inputs)
 
     def _call(self, inputs: list[Any]) -> Any:
         if self.run_boxed is not None:

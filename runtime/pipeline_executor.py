@@ -17,11 +17,19 @@ gets the tangent ``1 / microbatches``; parameter gradients accumulate over micro
 are then summed over the pipeline positions holding the same parameter (``p2p.exchange_and_
 sum``). After the step one all-gather over the pipeline group collects every rank's loss share
 and action timings, so every rank returns the loss and can draw the measured timeline.
+
+Profiling. While a ``torch.profiler`` records, the step runs inside
+``record_function("zeroc/pipeline_step")`` and each action group inside
+``zeroc/<group label>`` (``zeroc/F0@s1``, ``zeroc/SEND_F0@s0->r1``; a compute's wait for
+its messages is inside its action), the end-of-step exchanges inside ``zeroc/step_sync`` and
+``zeroc/step_grad_exchange``, and the per-step ZeRO buckets as ``runtime/pipeline_zero.py``
+names them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from zeroc.runtime.actions import Action, ActionKind, Schedule
+from zeroc.runtime.executor import PROFILE_PREFIX, record
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.p2p import exchange_and_sum, post_receives, post_sends
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
@@ -36,9 +45,13 @@ from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
 
+log = logging.getLogger(__name__)
+
 ValueMeta = tuple[tuple[int, ...], torch.dtype, bool]
 # Set on every parameter of a compiled pipeline: the first pipeline position that updates it.
 PP_SOURCE_ATTR = "_zeroc_pp_source"
+_STEP, _SYNC, _EXCHANGE = (PROFILE_PREFIX + n for n in (
+    "pipeline_step", "step_sync", "step_grad_exchange"))
 
 
 @dataclasses.dataclass
@@ -131,11 +144,28 @@ class PipelineExecutor:
             train: [action_groups(rank_actions) for rank_actions in schedule.actions]
             for train, schedule in ((True, layout.schedule), (False, layout.forward_schedule))
         }
+        # Profiler names of this rank's action groups, made once (see the module docstring).
+        self.profile_names = {
+            train: tuple(PROFILE_PREFIX + group_label(g) for g in groups[layout.position])
+            for train, groups in self.groups.items()
+        }
+        log.debug("zeroc: pipeline position %d runs stages %s: %d action groups per step",
+                  layout.position, sorted(stages), len(self.groups[True][layout.position]))
 
     # -- one step -------------------------------------------------------------------------
 
     def run(self, inputs: list[Any], train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run the step on the model's flat inputs; return (mean loss, parameter gradients)."""
+        with record(_STEP):
+            loss, grads = self._run_step(inputs, train)
+        if self.steps == 0:
+            log.debug("zeroc: pipeline position %d ran its first %s step", self.layout.position,
+                      "training" if train else "forward-only")
+        self.steps += 1
+        return loss, grads
+
+    def _run_step(self, inputs: list[Any],
+                  train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         self._inputs = inputs
         self._train = train
         self._inbox_f: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -151,6 +181,7 @@ class PipelineExecutor:
         if self.zero is not None:
             self.zero.begin()
         my_groups = self.groups[train][self.layout.position]
+        names = self.profile_names[train]
         clock = StepClock(device, PLANNING.simulated)
         marks: list[Any] = []  # per group: start, compute start (after waiting), end
         self._posted: dict[int, list] = {}
@@ -159,16 +190,17 @@ class PipelineExecutor:
         with torch.no_grad(), tracking_scope():
             for position, group in enumerate(my_groups):
                 marks.append(clock.mark())
-                if group[0].is_p2p:
-                    self._p2p(position, group)
-                    marks.append(marks[-1])
-                else:
-                    # Receives of the next p2p group are posted before this compute runs;
-                    # this compute waits only for the messages it reads.
-                    self._post_receives(position + 1, my_groups)
-                    self._await_messages(group[0])
-                    marks.append(clock.mark())
-                    self._compute(group[0])
+                with record(names[position]):
+                    if group[0].is_p2p:
+                        self._p2p(position, group)
+                        marks.append(marks[-1])
+                    else:
+                        # Receives of the next p2p group are posted before this compute runs;
+                        # this compute waits only for the messages it reads.
+                        self._post_receives(position + 1, my_groups)
+                        self._await_messages(group[0])
+                        marks.append(clock.mark())
+                        self._compute(group[0])
                 marks.append(clock.mark())
             for works in self._arriving.values():  # messages nothing read (eval: gradients)
                 for work in works:
@@ -179,7 +211,8 @@ class PipelineExecutor:
             seconds = clock.seconds(marks)
             spans = [(seconds[i + 1], seconds[i + 2]) for i in range(0, len(seconds), 3)]
             waits = [seconds[i + 1] - seconds[i] for i in range(0, len(seconds), 3)]
-            loss = self._finish(spans, waits, train)
+            with record(_SYNC):
+                loss = self._finish(spans, waits, train)
             grads = self._grads
             if train and self.zero is not None:  # once per step, after the last backward
                 self.zero.reduce(grads, inputs)
@@ -190,12 +223,12 @@ class PipelineExecutor:
                     for index in stage.param_inputs:
                         if index not in grads:
                             grads[index] = torch.zeros_like(inputs[index])
-                grads = exchange_and_sum(grads, self.layout.holders, self.layout.position,
-                                         self.layout.global_ranks)
+                with record(_EXCHANGE):
+                    grads = exchange_and_sum(grads, self.layout.holders, self.layout.position,
+                                             self.layout.global_ranks)
                 if self._scale != 1.0:
                     for grad in grads.values():
                         grad.mul_(self._scale)
-        self.steps += 1
         return loss, grads
 
     def _finish(self, spans: list[tuple[float, float]], waits: list[float],

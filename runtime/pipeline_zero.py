@@ -19,22 +19,30 @@ return its full gradient. ``StepZero`` then, for this rank's stages,
 
 Every step issues ``gather_buckets`` all-gathers and ``reduce_buckets`` reductions, whatever
 the number of micro-batches; ``counts`` keeps what the last step issued.
+
+While a ``torch.profiler`` records, each bucket's collective runs inside
+``record_function``: ``zeroc/step_gather_s<stage>_<n>`` (the plan's collective names) and
+``zeroc/step_reduce_<n>`` (the step reduces every stage's buckets together).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zeroc.runtime.collectives import collective_bytes
+from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.records import CollectiveInfo
 from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single, group_size
 
 __all__ = ["HoistedParam", "StepZero"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +99,8 @@ class StepZero:
         self.full: dict[int, torch.Tensor] = {}
         self.counts = {"all_gather": 0, "reduce": 0}
         self._gathered: set[int] = set()
+        log.debug("zeroc: ZeRO once per step for %d parameters of stages %s, buckets of %g MiB",
+                  len(hoisted), sorted(self.stage_params), bucket_mb)
 
     def collectives(self, inputs: list[Any], graph: str) -> list[CollectiveInfo]:
         """The per-step collectives this rank issues, as the plan lists them."""
@@ -144,10 +154,13 @@ class StepZero:
         self._gathered.add(stage)
         todo = [(self.hoisted[i], inputs[i]) for i in self.stage_params.get(stage, ())
                 if i not in self.full]
-        for bucket in _buckets(todo, self.cap, lambda p, t: p.param_dtype or t.dtype):
-            self._gather_bucket(bucket)
+        buckets = _buckets(todo, self.cap, lambda p, t: p.param_dtype or t.dtype)
+        for n, bucket in enumerate(buckets):
+            self._gather_bucket(bucket, f"{PROFILE_PREFIX}step_gather_s{stage}_{n}"
+                                if profiling() else "")
 
-    def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]]) -> None:
+    def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
+                       profile_name: str = "") -> None:
         first = bucket[0][0]
         shards = [t.detach().to(p.param_dtype) if p.param_dtype else t.detach()
                   for p, t in bucket]
@@ -159,7 +172,8 @@ class StepZero:
         widths = [s.numel() for s in shards]
         packed = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
         gathered = packed.new_empty(ranks * packed.numel())
-        _all_gather_single(gathered, packed, group=resolve_group(first.group_name))
+        with record(profile_name):
+            _all_gather_single(gathered, packed, group=resolve_group(first.group_name))
         self.counts["all_gather"] += 1
         rows = gathered.view(ranks, -1)
         offset = 0
@@ -183,11 +197,13 @@ class StepZero:
             if padded > grad.numel():
                 grad = torch.nn.functional.pad(grad, (0, padded - grad.numel()))
             todo.append((param, grad))
-        for bucket in _buckets(todo, self.cap, lambda p, t: t.dtype):
-            for param, shard in self._reduce_bucket(bucket):
+        for n, bucket in enumerate(_buckets(todo, self.cap, lambda p, t: t.dtype)):
+            name = f"{PROFILE_PREFIX}step_reduce_{n}" if profiling() else ""
+            for param, shard in self._reduce_bucket(bucket, name):
                 grads[param.index] = shard.to(inputs[param.index].dtype)
 
-    def _reduce_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]]):
+    def _reduce_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
+                       profile_name: str = ""):
         first = bucket[0][0]
         ranks = first.ranks()
         dp = group_size(first.group_name) if first.group_name else 1
@@ -195,7 +211,8 @@ class StepZero:
         if ranks == 1:  # whole parameters: all-reduce the concatenation
             packed = torch.cat([g for _, g in bucket])
             if group is not None and dp > 1:
-                dist.all_reduce(packed, group=group)
+                with record(profile_name):
+                    dist.all_reduce(packed, group=group)
                 self.counts["reduce"] += 1
             packed.div_(dp)
             offset = 0
@@ -207,7 +224,8 @@ class StepZero:
         # chunk of each.
         packed = torch.cat([g.view(ranks, -1) for _, g in bucket], dim=1).reshape(-1)
         shard = packed.new_empty(packed.numel() // ranks)
-        _reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group)
+        with record(profile_name):
+            _reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group)
         self.counts["reduce"] += 1
         shard.div_(dp)
         offset = 0
