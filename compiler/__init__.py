@@ -1,10 +1,10 @@
 """zeroc: a torch.compile backend for ZeRO-sharded, pipelined training with a readable plan.
 
-``parallelize``, ``calibrate``, ``tune``, ``full_state_dict`` and ``load_full_state_dict`` are
-imported at once: the functions ``parallelize``, ``calibrate`` and ``tune`` share their names
-with their submodules, and importing a submodule later would otherwise replace the function on
-this package. The rest is imported lazily so that
-``import zeroc.runtime`` (which runs this file first) stays light.
+``parallelize``, ``calibrate``, ``explain``, ``tune``, ``full_state_dict`` and
+``load_full_state_dict`` are imported at once: the functions ``parallelize``, ``calibrate``,
+``explain`` and ``tune`` share their names with their submodules, and importing a submodule
+later would otherwise replace the function on this package. The rest is imported lazily so
+that ``import zeroc.runtime`` (which runs this file first) stays light.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from zeroc.calibrate import calibrate
+from zeroc.explain import explain
 from zeroc.log_setup import register_logging
 from zeroc.parallelize import parallelize
 from zeroc.state_dict import full_state_dict, load_full_state_dict
@@ -21,7 +22,6 @@ register_logging()  # TORCH_LOGS="zeroc" / "+zeroc" turns zeroc's loggers on
 
 if TYPE_CHECKING:
     from zeroc.config import Config
-    from zeroc.explain import explain
     from zeroc.runtime.plan import Plan
     from zeroc.runtime.zero_ops import MixedPrecision
     from zeroc.training import (
@@ -56,7 +56,6 @@ _LAZY = {
     "clip_grad_norm_": ("zeroc.training", "clip_grad_norm_"),
     "data_parallel_rank": ("zeroc.training", "data_parallel_rank"),
     "data_parallel_size": ("zeroc.training", "data_parallel_size"),
-    "explain": ("zeroc.explain", "explain"),
     "no_sync": ("zeroc.training", "no_sync"),
     "set_requires_gradient_sync": ("zeroc.training", "set_requires_gradient_sync"),
 }

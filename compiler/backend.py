@@ -6,18 +6,22 @@ Registered only through the ``torch_dynamo_backends`` entry point (see pyproject
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.fx
 
 from zeroc.capture import compile_dynamo_graph
-from zeroc.config import Config
+from zeroc.config import Config, pipeline_options_in
 from zeroc.errors import OptionError, passthrough
 from zeroc.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
 from zeroc.runtime.consistency import PlanMismatchError
 from zeroc.runtime.shutdown import drop_captured_groups
 from zeroc.session import find_compile_wrapper, session_for
+
+log = logging.getLogger(__name__)
 
 
 def zeroc_backend(
@@ -38,8 +42,36 @@ def zeroc_backend(
         config = Config.build(mode, options)
         session = session_for(find_compile_wrapper(), config)
         layout = pipeline_layout_of(example_inputs)
+        log.debug("zeroc: backend: %s, %s", "a pipeline" if layout is not None else
+                  "one graph", config)
         if layout is not None:
             return compile_pipeline(gm, example_inputs, config, session, layout)
+        _warn_unused_pipeline_options(example_inputs, options)
         return compile_dynamo_graph(gm, example_inputs, config, session)
     except (OptionError, PipelineError, PlanMismatchError) as error:
         raise passthrough(error) from None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unused_pipeline_options(example_inputs: list[Any],
+                                  options: Mapping[str, Any] | None) -> None:
+    """Warn once per process and set of options that pipeline options go unused at pp=1.
+
+    Only here is pp known (``torch.compile`` takes the options before it sees the model): a
+    graph whose parameters carry no pipeline layout belongs to a pp=1 (or unparallelized)
+    model. A graph without parameters (e.g. a graph break's tail) tells nothing and is skipped.
+    """
+    given = pipeline_options_in(options)
+    if not given or not any(isinstance(v, torch.nn.Parameter) for v in example_inputs):
+        return
+    listed = ", ".join(f"{key}={value!r}" for key, value in given.items())
+    message = (
+        f"zeroc: options {listed} apply only to pipelines, and this model was parallelized "
+        "with pp=1 (or not parallelized), so they are ignored; pass pp >= 2 to "
+        "zeroc.parallelize to pipeline it, or leave them out of the options of pp=1 runs"
+    )
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=1)

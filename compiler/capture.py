@@ -49,9 +49,11 @@ def source_name(placeholder: torch.fx.Node) -> str:
         return placeholder.name
     text = source.name() if callable(source.name) else str(source.name)
     # A zeroc-parallelized parameter is read from its flat buffer, ``module.__dict__[
-    # '_zeroc_flat_<name>']``: it reads as the parameter's name.
-    parts = re.findall(
-        r"\.(?:_modules|_parameters|_buffers|__dict__)\['(?:_zeroc_flat_)?([^']+)'\]", text)
+    # '_zeroc_flat_<name>']`` (torch 2.13) or ``module._zeroc_flat_<name>`` (torch 2.11): it
+    # reads as the parameter's name.
+    parts = [a or b for a, b in re.findall(
+        r"\.(?:_modules|_parameters|_buffers|__dict__)\['(?:_zeroc_flat_)?([^']+)'\]"
+        r"|\._zeroc_flat_(\w+)", text)]
     if parts:
         return ".".join(parts)
     match = re.fullmatch(r"L\['([^']+)'\]", text)

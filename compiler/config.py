@@ -119,6 +119,16 @@ class Config:
 
 
 LOSS_REDUCTIONS = (None, "sum", "mean")
+# The options only a pipeline (a model parallelized with pp > 1) reads. One options dict may
+# serve pp=1 and pp>1 runs, so at pp=1 the backend warns once that they are ignored.
+PIPELINE_OPTIONS = ("schedule", "microbatches", "split_points", "loss_reduction", "pp_reshard")
+
+
+def pipeline_options_in(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The pipeline-only options (``PIPELINE_OPTIONS``) given in ``options``, as given."""
+    if not isinstance(options, Mapping):
+        return {}
+    return {key: options[key] for key in PIPELINE_OPTIONS if key in options}
 
 
 def _check(key: str, value: Any) -> Any:

@@ -3,7 +3,8 @@
 ``FACTORY()`` (a function in ``FILE.py``) returns ``(model, example_inputs)``: the model,
 ideally built on the meta device, and its inputs at one data-parallel replica's batch (a
 tuple, or a dict of keyword inputs). The plan of a ``--world``-rank job is printed
-(``zeroc.explain(model, inputs, world=...)``), and written as JSON with ``--json``.
+(``zeroc.explain(model, inputs, world=...)``; ``--full``: every row of every table), and written
+as JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="PATH",
                         help="also write the planned schedule (simulated with the plan's stage "
                              "costs) as a Chrome/Perfetto trace here (pipelines only)")
+    parser.add_argument("--full", action="store_true",
+                        help="print every row of every table and every option (str(plan.full()))")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -87,7 +90,7 @@ def run_explain(argv: list[str]) -> int:
     model, example_inputs = factory()
     plan = zeroc.explain(model, example_inputs, world=args.world, pp=args.pp, zero=args.zero,
                          device=args.device, hardware=args.hardware, options=options)
-    print(plan)
+    print(plan.full() if args.full else plan)
     if args.json:
         with open(args.json, "w") as handle:
             handle.write(plan.to_json())

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,28 @@ def _validate(model: nn.Module, zero: int) -> None:
             )
 
 
+def _check_process_group(mesh: Any) -> None:
+    """Refuse to run as a world of one when a launcher started several ranks.
+
+    ``torchrun`` (and ``torch.distributed.launch``, SLURM wrappers, ...) set ``WORLD_SIZE``;
+    without ``init_process_group`` every rank would silently train alone on its own data.
+    """
+    if mesh is not None or (dist.is_available() and dist.is_initialized()):
+        return
+    value = os.environ.get("WORLD_SIZE", "")
+    try:
+        world = int(value)
+    except ValueError:
+        return
+    if world > 1:
+        raise RuntimeError(
+            f"zeroc.parallelize: WORLD_SIZE={value} is set (a launcher started {world} ranks) "
+            "but no process group is initialized, so each rank would run alone as a world of "
+            "1; call torch.distributed.init_process_group() ('nccl' on GPUs, 'gloo' on CPUs) "
+            "before zeroc.parallelize, or unset WORLD_SIZE to run a single process"
+        )
+
+
 def _materialize_device() -> torch.device:
     if PLANNING.device is not None:  # the fake world's device
         return PLANNING.device
@@ -182,12 +205,14 @@ def parallelize(
     initializes a meta-device model's modules (it is also called once on meta tensors first,
     to check that every meta tensor gets written); without it the model's own per-module
     initializer (Hugging Face ``_init_weights``) or ``reset_parameters()`` does. Without an
-    initialized process group the world is one rank. Every rank must call this with the same
+    initialized process group the world is one rank, unless ``WORLD_SIZE`` > 1 says a launcher
+    started several: then it raises ``RuntimeError``. Every rank must call this with the same
     arguments on the same model definition. The result is recorded as
     ``model._zeroc_layout`` (a ``ZeroLayout``); each flat buffer the compiled graphs read
     carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
     """
     _validate(model, zero)
+    _check_process_group(mesh)
     check_meta_initializable(model, init_fn)
     policy = _policy(mixed_precision)
     device = _materialize_device()

@@ -5,6 +5,12 @@ their costs, the stages, the parameters, the kernels, the collectives, the memor
 rank and every pass's graph before and after. ``str(plan)`` prints tables; ``to_json`` and
 ``Plan.from_json`` round-trip exactly (``Plan.from_json(p.to_json()) == p``).
 ``plan.schedule_grid(ranks, width)`` draws a pipeline's schedule grid for chosen ranks.
+``str(plan)`` cuts long tables to their first rows and shows only the options that differ from
+the defaults; ``str(plan.full())`` shows every row and every option (``full()`` changes only
+how the plan prints: it compares equal and has the same JSON).
+
+Kernel names are unique within a plan: ``<graph>.<the kernel's function in its source>``
+(``g0.backward.zeroc_red_2``); ``plan.kernel(name)`` finds one.
 
 A kernel's ``block`` is the launch configuration: zeroc's generated kernels report the one
 they really launched with once they have run (``record_launch``, called at the first launch;
@@ -73,6 +79,8 @@ class PlanMeta:
     schedule: str
     options: tuple[tuple[str, str], ...]
     graph_hash: str
+    # Every option's default (same keys as ``options``); the header shows the ones that differ.
+    option_defaults: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +97,9 @@ class Plan:
     passes: tuple[PassInfo, ...]
     pipeline: PipelineInfo | None = None
     estimate: StepEstimate | None = None  # planned jobs (explain(world=...)) on a profile
+    # Print every row and option (``full()``); not part of equality or of the JSON.
+    show_all: bool = dataclasses.field(default=False, compare=False, repr=False,
+                                       metadata={"json": False})
 
     def __post_init__(self) -> None:
         # The kernels' launched configurations, recorded after the compile records were made.
@@ -113,6 +124,18 @@ class Plan:
             if graph.name == name:
                 return graph
         raise KeyError(f"no graph {name!r} in the plan; graphs: {[g.name for g in self.graphs]}")
+
+    def full(self) -> Plan:
+        """This plan, printing every row of every table and every option."""
+        return dataclasses.replace(self, show_all=True)
+
+    def kernel(self, name: str) -> KernelInfo:
+        """The kernel called ``name`` (``"g0.forward.zeroc_red_0"``, as ``str(plan)`` shows)."""
+        for kernel in self.kernels:
+            if kernel.name == name:
+                return kernel
+        raise KeyError(f"no kernel {name!r} in the plan; kernels: "
+                       f"{[k.name for k in self.kernels]}")
 
     def passes_for(self, graph: str) -> tuple[PassInfo, ...]:
         """The pass records of one graph, in the order the passes ran."""
@@ -146,14 +169,16 @@ class Plan:
         return pipeline_grid(self.pipeline, ranks, width)
 
     def __str__(self) -> str:
-        from zeroc.runtime.plan_text import render_plan
+        from zeroc.runtime.plan_text import MAX_ROWS, render_plan
 
-        return render_plan(self)
+        return render_plan(self, max_rows=None if self.show_all else MAX_ROWS,
+                           all_options=self.show_all)
 
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("json", True)}
     if isinstance(value, (tuple, list)):
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
@@ -162,12 +187,13 @@ def _to_plain(value: Any) -> Any:
 
 
 def _from_plain(hint: Any, value: Any) -> Any:
-    """Rebuild ``value`` as the type ``hint`` (dataclasses, tuples, scalars)."""
+    """Rebuild ``value`` as the type ``hint`` (dataclasses, tuples, scalars); a field that
+    ``value`` lacks (a plan written before the field existed) takes its default."""
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         hints = typing.get_type_hints(hint)
         return hint(**{f.name: _from_plain(hints[f.name], value[f.name])
-                       for f in dataclasses.fields(hint)})
+                       for f in dataclasses.fields(hint) if f.name in value})
     if origin is tuple:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:

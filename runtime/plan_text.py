@@ -1,170 +1,179 @@
 """``str(plan)``: the plan as tables a person can read (tabulate).
 
-Per-rank tables (estimated memory, the pipeline's ranks) show consecutive rows whose figures
-are all the same as one row, labelled with its ranks in compact form (``0-7``, ``0,2``,
-``0-3,8-11``), so a plan for hundreds of ranks stays a few rows long; a line under such a
-table says so.
+A header (hash, versions, device, world, mesh, ZeRO stage, the options that differ from the
+defaults), then one table per section, each followed by a short legend of its units and
+columns: graphs (empty ones left out, and named), stages, parameters (their shapes as the
+model defines them next to the shards the graphs read), kernels (named uniquely:
+``<graph>.<function>``), collectives (the mesh dimension each runs over), the pipeline's
+schedule, the estimated memory per rank and the passes. Sizes are in B/KiB/MiB/GiB
+everywhere, pass statistics that count bytes included.
+
+``render_plan(plan, max_rows=None, all_options=True)`` (``str(plan.full())``) shows every row
+and every option; a table cut at ``MAX_ROWS`` says how many rows it left out and how to see
+them. The helpers (units, rank sets, grouped rows) are in ``zeroc.runtime.plan_format``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+import math
+from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
+from zeroc.runtime.plan_format import (
+    GROUPED_NOTE,
+    MAX_ROWS,
+    MORE_HINT,
+    format_ranks,
+    group_identical,
+    human_bytes,
+    human_count,
+    legend,
+    memory_groups,
+    rank_label,
+    shape_text,
+    stat_text,
+    table,
+    wrap,
+)
+
 if TYPE_CHECKING:
-    from zeroc.runtime.plan import Plan
-    from zeroc.runtime.records import MemoryEstimate, PipelineInfo
+    from zeroc.runtime.plan import Plan, PlanMeta
+    from zeroc.runtime.records import ParamInfo, PipelineInfo
 
-MAX_ROWS = 16
-GROUPED_NOTE = ("  rows are grouped when identical: consecutive ranks with the same figures share "
-                "one row\n  (0-7: ranks 0 to 7; 0,2: ranks 0 and 2)")
+__all__ = ["GROUPED_NOTE", "MAX_ROWS", "MORE_HINT", "format_ranks", "group_identical",
+           "human_bytes", "human_count", "memory_groups", "rank_label", "render_pipeline",
+           "render_plan"]
 
-Row = TypeVar("Row")
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """A set of ranks in compact form: runs as ``a-b``, joined by ``,`` (``0-3,8,10-11``)."""
-    ordered = sorted(set(ranks))
-    runs: list[list[int]] = []
-    for rank in ordered:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+MEMORY_LEGEND = (
+    "at rest = params + grads + optimizer state held between steps; peak = at rest + "
+    "activations; moved per step = collective bytes a training step sends (ZeRO accounting)")
 
 
-def group_identical(rows: Iterable[tuple[int, Row]]) -> list[tuple[tuple[int, ...], Row]]:
-    """``(rank, row)`` pairs with consecutive equal rows merged into ``(ranks, row)``."""
-    groups: list[tuple[list[int], Row]] = []
-    for rank, row in rows:
-        if groups and groups[-1][1] == row:
-            groups[-1][0].append(rank)
-        else:
-            groups.append(([rank], row))
-    return [(tuple(ranks), row) for ranks, row in groups]
-
-
-def memory_groups(
-    memory: Sequence[MemoryEstimate],
-) -> list[tuple[tuple[int, ...], MemoryEstimate]]:
-    """Consecutive estimates equal in every field but ``rank``, as (ranks, first estimate)."""
-    def figures(m: MemoryEstimate) -> tuple[object, ...]:
-        return tuple(getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "rank")
-
-    groups = group_identical((i, figures(m)) for i, m in enumerate(memory))
-    return [(tuple(memory[i].rank for i in rows), memory[rows[0]]) for rows, _ in groups]
-
-
-def rank_label(ranks: Sequence[int]) -> int | str:
-    """A table's rank cell: the rank itself, or the group in compact form."""
-    return ranks[0] if len(ranks) == 1 else format_ranks(ranks)
-
-
-def human_bytes(n: int) -> str:
-    """Bytes as B/KiB/MiB/GiB with one decimal."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_count(n: int) -> str:
-    """A count with a k/M/G suffix."""
-    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
-def _section(title: str, rows: list[list[object]], headers: list[str], empty: str) -> str:
-    if not rows:
-        return f"{title}: {empty}"
-    shown = rows[:MAX_ROWS]
-    text = tabulate(shown, headers=headers, tablefmt="simple")
-    if len(rows) > MAX_ROWS:
-        text += f"\n... {len(rows) - MAX_ROWS} more"
-    return f"{title}:\n{text}"
-
-
-def render_plan(plan: Plan) -> str:
-    """Render every section of ``plan``."""
+def _header(plan: Plan, all_options: bool) -> list[str]:
     meta = plan.meta
-    options = ", ".join(f"{k}={v}" for k, v in meta.options)
     mesh = " x ".join(f"{k}={v}" for k, v in meta.mesh) or "single device"
-    out = [
-        f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
-        f"{meta.torch_version}, triton {meta.triton_version})",
-        f"device {meta.device}, world {meta.world_size}, mesh {mesh}, "
-        f"zero {meta.zero if meta.zero >= 0 else 'off'}, "
-        f"schedule {meta.schedule}",
-        f"options: {options}",
-    ]
+    place = (f"device {meta.device}, world {meta.world_size}, mesh {mesh}, "
+             f"zero {meta.zero if meta.zero >= 0 else 'off'}")
+    if meta.schedule != "none":
+        place += f", schedule {meta.schedule}"
+    lines = [f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
+             f"{meta.torch_version}, triton {meta.triton_version})", place,
+             wrap(_options_line(meta, all_options), "  ")]
     if plan.estimate is not None:
         e = plan.estimate
-        out.append(
+        lines.append(wrap(
             f"estimated step on {e.hardware} ({e.dtype}): {1000 * e.step_s:.1f} ms = compute "
-            f"{1000 * e.compute_s:.1f} ms (bubble {100 * e.bubble:.1f}%) + exposed "
+            f"{1000 * e.compute_s:.1f} ms (bubble {100 * e.bubble:.1f}% of it idle) + exposed "
             f"communication {1000 * e.exposed_communication_s:.1f} ms + optimizer "
-            f"{1000 * e.optimizer_s:.1f} ms (roofline and ring model: zeroc.step_estimate)")
-    out.append("")
-    out.append(_section(
+            f"{1000 * e.optimizer_s:.1f} ms (roofline and ring model: zeroc.step_estimate)", "  "))
+    return lines
+
+
+def _options_line(meta: PlanMeta, all_options: bool) -> str:
+    """Every option (``all_options`` or no defaults known), else those that differ."""
+    if all_options or not meta.option_defaults:
+        return "options: " + ", ".join(f"{k}={v}" for k, v in meta.options)
+    defaults = dict(meta.option_defaults)
+    changed = [f"{k}={v}" for k, v in meta.options if defaults.get(k) != v]
+    if not changed:
+        return "options: all defaults (every option: str(plan.full()))"
+    return f"options: {', '.join(changed)} (the rest are defaults; all: str(plan.full()))"
+
+
+def _graphs(plan: Plan, max_rows: int | None) -> str:
+    shown = [g for g in plan.graphs if g.nodes > 0]
+    note = ("per call, from the cost model: nodes = ops; bytes moved = tensor bytes read + "
+            "written; peak mem = most bytes live at once, inputs included")
+    empty = [g.name for g in plan.graphs if g.nodes == 0]
+    if empty:
+        note += f"; not shown, empty (no ops): {', '.join(empty)}"
+    return table(
         "graphs",
         [[g.name, g.kind, g.nodes, g.inputs, g.outputs, human_count(g.flops),
-          human_bytes(g.bytes), human_bytes(g.peak_bytes)] for g in plan.graphs],
+          human_bytes(g.bytes), human_bytes(g.peak_bytes)] for g in shown],
         ["graph", "kind", "nodes", "inputs", "outputs", "FLOPs", "bytes moved", "peak mem"],
-        "none",
-    ))
-    out.append("")
-    out.append(_section(
+        "none" if not empty else f"none with ops ({', '.join(empty)} are empty)",
+        max_rows, note if shown else "")
+
+
+def _stages(plan: Plan, max_rows: int | None) -> str:
+    pipelined = plan.pipeline is not None
+    return table(
         "stages",
         [[s.index, ", ".join(s.modules) or "-", human_count(s.params), human_bytes(s.param_bytes),
           human_count(s.flops), human_bytes(s.activation_bytes)] for s in plan.stages],
         ["stage", "modules", "params", "param bytes", "FLOPs", "activations/mb"],
-        "none",
-    ))
-    out.append("")
-    total_numel = sum(p.numel for p in plan.params)
-    total_bytes = sum(p.bytes for p in plan.params)
-    out.append(_section(
-        f"parameters ({len(plan.params)} tensors, {human_count(total_numel)} elements, "
-        f"{human_bytes(total_bytes)})",
-        [[p.name, "x".join(map(str, p.shape)) or "scalar", p.dtype, human_count(p.numel),
-          human_bytes(p.bytes)] for p in plan.params],
-        ["parameter", "shape", "dtype", "numel", "bytes"],
-        "none",
-    ))
-    out.append("")
+        "none", max_rows,
+        "params: elements of the whole parameters it reads (not shards); FLOPs: its forward; "
+        "activations/mb: bytes saved for the backward per micro-batch"
+        + ("" if pipelined else " (no pipeline: the whole batch)"))
+
+
+def _full_shape(p: ParamInfo) -> tuple[int, ...]:
+    return p.full_shape or p.shape
+
+
+def _params(plan: Plan, max_rows: int | None) -> str:
+    params = plan.params
+    full = [math.prod(_full_shape(p)) for p in params]
+    sharded = any(p.numel < n for p, n in zip(params, full, strict=True))
+    flat = any(p.full_shape for p in params)
+    total_bytes = sum(p.bytes for p in params)
+    if not sharded:
+        title = (f"parameters ({len(params)} tensors, {human_count(sum(full))} elements, "
+                 f"{human_bytes(total_bytes)})")
+        rows = [[p.name, shape_text(_full_shape(p)), p.dtype, human_count(n),
+                 human_bytes(p.bytes)] for p, n in zip(params, full, strict=True)]
+        headers = ["parameter", "shape", "dtype", "numel", "bytes"]
+        note = ("shape: as the model defines it (the compiled graphs read a flat 1-D buffer "
+                "of it)" if flat else "")
+        return table(title, rows, headers, "none", max_rows, note)
+    dp = dict(plan.meta.mesh).get("dp", 1)
+    title = (f"parameters ({len(params)} tensors, {human_count(sum(full))} elements; this "
+             f"rank's shards: {human_count(sum(p.numel for p in params))} elements, "
+             f"{human_bytes(total_bytes)})")
+    rows = [[p.name, shape_text(_full_shape(p)), p.dtype, human_count(n), human_count(p.numel),
+             human_bytes(p.bytes)] for p, n in zip(params, full, strict=True)]
+    headers = ["parameter", "shape", "dtype", "numel", "shard numel", "shard bytes"]
+    note = (f"shape, numel: as the model defines it; shard: the flat 1-D buffer the graphs "
+            f"read on each rank: 1/{dp} of dimension 0's rows, rounded up and zero-padded")
+    return table(title, rows, headers, "none", max_rows, note)
+
+
+def _kernels(plan: Plan, max_rows: int | None) -> str:
     counts = {b: sum(1 for k in plan.kernels if k.backend == b)
               for b in ("triton", "aten", "inductor")}
     shown = ", ".join(f"{n} {b}" for b, n in counts.items() if n or b != "inductor")
-    out.append(_section(
+    return table(
         f"kernels ({len(plan.kernels)}: {shown})",
-        [[k.name, k.graph, k.backend, k.kind, _ops(k.ops), human_count(k.numel),
-          _launch(k.block)] for k in plan.kernels],
-        ["kernel", "graph", "runs as", "kind", "ops", "numel", "launch"],
-        "none",
-    ))
-    out.append("")
-    out.append(_section(
+        [[k.name, k.backend, k.kind, _ops(k.ops), human_count(k.numel), _launch(k.block)]
+         for k in plan.kernels],
+        ["kernel", "runs as", "kind", "ops", "numel", "launch"],
+        "none", max_rows,
+        "kernel = <graph>.<function> (source: plan.kernel(name).source); numel = elements it "
+        "iterates over; launch = launch parameters (-: none)")
+
+
+def _collectives(plan: Plan, max_rows: int | None) -> str:
+    sizes = dict(plan.meta.mesh)
+    dims = sorted({c.mesh_dim for c in plan.collectives if c.mesh_dim})
+    over = ", ".join(f"{d}: {sizes[d]} ranks" if d in sizes else d for d in dims)
+    return table(
         "collectives",
-        [[c.name, c.graph, c.op, c.dtype, c.group, len(c.params), human_bytes(c.bytes),
-          c.issued_at, c.waited_at] for c in plan.collectives],
-        ["collective", "graph", "op", "dtype", "group", "params", "bytes", "issued at",
+        [[c.name, c.graph, c.op, c.dtype, c.mesh_dim or f"group {c.group}", len(c.params),
+          human_bytes(c.bytes), c.issued_at, c.waited_at] for c in plan.collectives],
+        ["collective", "graph", "op", "dtype", "over", "params", "bytes", "issued at",
          "waited at"],
-        "none (single device)",
-    ))
-    out.append("")
-    if plan.pipeline is not None:
-        out.append(render_pipeline(plan.pipeline))
-        out.append("")
+        "none (single device)", max_rows,
+        (f"over = the mesh dimension whose group runs it ({over}); " if over else "")
+        + "bytes = sent per rank per call (gather / reduce-scatter of X: X, all-reduce: 2X); "
+        "issued / waited at = the node it comes before")
+
+
+def _memory(plan: Plan, max_rows: int | None) -> str:
     memory = memory_groups(plan.memory)
-    out.append(_section(
+    text = table(
         "estimated memory per rank",
         [[rank_label(ranks), human_bytes(m.params), human_bytes(m.grads),
           human_bytes(m.optimizer), human_bytes(m.params + m.grads + m.optimizer),
@@ -172,21 +181,34 @@ def render_plan(plan: Plan) -> str:
          for ranks, m in memory],
         ["rank", "params", "grads", "optimizer (Adam)", "at rest", "activations", "peak",
          "moved per step"],
-        "none",
-    ))
-    out.append("  at rest = params + grads + optimizer state held between steps; peak = at rest +"
-               " activations (estimated);\n  moved per step = collective bytes per training step"
-               " (all-gather / reduce-scatter of X bytes: X, all-reduce: 2X)")
+        "none", max_rows, MEMORY_LEGEND)
     if len(memory) < len(plan.memory):
-        out.append(GROUPED_NOTE)
-    out.append("")
-    out.append(_section(
+        text += "\n" + GROUPED_NOTE
+    return text
+
+
+def _passes(plan: Plan, max_rows: int | None) -> str:
+    return table(
         "passes",
         [[p.graph, p.pass_name, f"{p.nodes_before} -> {p.nodes_after}",
-          ", ".join(f"{k}={v}" for k, v in p.stats)] for p in plan.passes],
+          ", ".join(stat_text(k, v) for k, v in p.stats)] for p in plan.passes],
         ["graph", "pass", "nodes", "stats"],
-        "none",
-    ))
+        "none", max_rows,
+        "nodes = ops before -> after; .dynamo = the Dynamo graph, .joint = the joint graph "
+        "before the split; graph texts: plan.passes_for(graph)[i].before / .after")
+
+
+def render_plan(plan: Plan, max_rows: int | None = MAX_ROWS, all_options: bool = False) -> str:
+    """Render every section of ``plan``: at most ``max_rows`` rows a table (``None``: all),
+    every option with ``all_options`` (else those that differ from the defaults)."""
+    out = _header(plan, all_options)
+    sections = [_graphs(plan, max_rows), _stages(plan, max_rows), _params(plan, max_rows),
+                _kernels(plan, max_rows), _collectives(plan, max_rows)]
+    if plan.pipeline is not None:
+        sections.append(render_pipeline(plan.pipeline))
+    sections += [_memory(plan, max_rows), _passes(plan, max_rows)]
+    for section in sections:
+        out += ["", section]
     return "\n".join(out)
 
 
@@ -205,6 +227,14 @@ def _ops(ops: tuple[str, ...]) -> str:
     return text if len(text) <= 48 else text[:45] + "..."
 
 
+def _time_unit(info: PipelineInfo) -> str:
+    """The grid's time unit, from its legend (``ms``, ``the cheapest stage's forward``)."""
+    first = info.grid_legend.split("\n", 1)[0]
+    if first.startswith("time unit: "):
+        return first.removeprefix("time unit: ").split(";", 1)[0].strip()
+    return ""
+
+
 def render_pipeline(info: PipelineInfo) -> str:
     """The schedule grid (ranks by time) and, per rank, bubble ratio and peak activations."""
     rows = []
@@ -218,11 +248,19 @@ def render_pipeline(info: PipelineInfo) -> str:
                             info.peak_activations[rank],
                             human_bytes(info.peak_activation_bytes[rank]))))
     groups = group_identical(rows)
-    table = tabulate([[rank_label(ranks), *row] for ranks, row in groups],
-                     headers=["rank", "stages", "bubble (model)", "bubble (measured)",
-                              "p2p wait (ms, measured)", "peak activations (micro-batches)",
-                              "peak activation memory"])
+    table_text = tabulate([[rank_label(ranks), *row] for ranks, row in groups],
+                          headers=["rank", "stages", "bubble (model)", "bubble (measured)",
+                                   "p2p wait (ms, measured)",
+                                   "peak activations (micro-batches)", "peak activation memory"])
+    table_text += "\n" + legend(
+        "rank = position in the pipeline; p2p wait = time the last step spent in sends and "
+        "receives; peak activations = micro-batches held at once; -: no step measured yet")
     if len(groups) < len(rows):
-        table += "\n" + GROUPED_NOTE
+        table_text += "\n" + GROUPED_NOTE
+    unit = _time_unit(info)
+    grid_note = legend(
+        f"one column, busy, bubble and makespan are in the time unit{f' ({unit})' if unit else ''}"
+        ": busy = computing, bubble = idle, makespan = the step's length")
     return (f"pipeline: schedule {info.schedule}, {info.num_ranks} ranks, {info.num_stages} "
-            f"stages, {info.num_microbatches} micro-batches\n{info.grid}\n\n{table}")
+            f"stages, {info.num_microbatches} micro-batches\n{info.grid}\n{grid_note}\n\n"
+            f"{table_text}")

@@ -37,13 +37,20 @@ class GraphInfo:
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
-    """A model parameter as the compiled graph sees it."""
+    """A model parameter as the compiled graph sees it.
+
+    ``shape``, ``numel`` and ``bytes`` are the tensor the graph reads: for a parallelized
+    model its flat buffer (ZeRO-2/3: this rank's padded shard). ``full_shape`` is the
+    parameter's shape as the model defines it when that differs (``()``: the same as
+    ``shape``).
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     numel: int
     bytes: int
+    full_shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +116,9 @@ class CollectiveInfo:
     issued_at: str
     waited_at: str
     dtype: str = ""  # the dtype it moves (mixed precision: bf16 gathers, fp32 reductions)
+    # The mesh dimension whose process group runs it ("dp", "pp"; "" when not known):
+    # ``group`` is that process group's registered name.
+    mesh_dim: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,7 +126,8 @@ def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
         "meta": (plan.meta.world_size, plan.meta.mesh, plan.meta.zero),
         "state_bytes": held if zero == 3 else None,
         "at_rest": held_at_rest,
-        "plan_memory": [(m.params, m.grads, m.optimizer, m.moved) for m in plan.memory],
+        "plan_memory": [(m.params, m.grads, m.optimizer, m.moved) for m in plan.memory
+                        if m.rank == rank],  # the plan has a row per data-parallel rank
         "numel": sum(r.numel for r in model._zeroc_layout.params),
         "padded_numel": sum(p.padded_numel for p in model._zeroc_layout.params),
         "num_params": len(list(model.parameters())),
