@@ -3,9 +3,10 @@
 ``FACTORY()`` returns ``(model, example_inputs)`` (as for ``python -m zeroc explain``). Three
 ways to run:
 
-- ``--nproc N`` (default 1): starts N local ranks on gloo itself (as the demo does) and tunes
-  on them;
-- under ``torchrun`` (``WORLD_SIZE`` set): tunes on the world torchrun started (NCCL on CUDA);
+- ``--nproc N`` (default 1): starts N local ranks itself (``zeroc.local_ranks``, as the demo
+  does; gloo on CPU, NCCL on CUDA) and tunes on them;
+- under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set): tunes on the world
+  torchrun started (NCCL on CUDA);
 - ``--world W``: plans a W-rank job from the fake world alone (``--hardware``, ``--device``),
   measuring nothing.
 
@@ -22,12 +23,11 @@ import os
 import sys
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from zeroc.local_ranks import in_torchrun, resolve_device, run_local_ranks, run_torchrun
 
 __all__ = ["run_tune"]
 
-_HOST = "127.0.0.1"
+NAME = "zeroc tune"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("factory", help="path/to/file.py:function returning (model, "
                         "example_inputs); the model not yet parallelized")
     parser.add_argument("--nproc", type=int, default=1,
-                        help="local ranks to start and tune on (gloo); ignored under torchrun")
+                        help="local ranks to start and tune on (gloo on cpu, nccl on cuda); "
+                             "ignored under torchrun")
     parser.add_argument("--budget", type=float, default=300.0,
                         help="seconds for estimating and measuring (default 300)")
     parser.add_argument("--search", default="{}", metavar="JSON",
@@ -53,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="plan a job of this many ranks from the fake world alone "
                              "(no measuring)")
     parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
-                        help="device to tune for (default: cuda if available, else cpu)")
+                        help="device to tune for (default: cuda if there is a GPU per local "
+                             "rank, else cpu)")
     parser.add_argument("--hardware", default=None,
                         help="hardware profile for the estimates (a100-80gb, h100-sxm, h200; "
                              "default: calibrate this machine)")
@@ -104,15 +106,8 @@ def _tune(args: argparse.Namespace, rank: int) -> int:
     return 0
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.TCPStore(_HOST, port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        _tune(args, rank)
-    finally:
-        dist.destroy_process_group()
+def _tune_rank(rank: int, world: int, args: argparse.Namespace) -> int:
+    return _tune(args, rank)
 
 
 def run_tune(argv: list[str]) -> int:
@@ -122,22 +117,16 @@ def run_tune(argv: list[str]) -> int:
     logging.getLogger("zeroc.tune").setLevel(logging.INFO)
     if args.world is not None:
         return _tune(args, 0)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():  # under torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-        try:
-            return _tune(args, dist.get_rank())
-        finally:
-            dist.destroy_process_group()
     if args.nproc < 1:
         print(f"python -m zeroc tune: --nproc={args.nproc} must be >= 1", file=sys.stderr)
         return 2
-    if args.nproc == 1:
-        return _tune(args, 0)
-    store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False)
-    torch.multiprocessing.start_processes(
-        _rank_main, args=(args.nproc, store.port, args), nprocs=args.nproc,
-        start_method="spawn")
-    return 0
+    ranks_here = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+                  if in_torchrun() else args.nproc)
+    try:  # the ranks and zeroc.tune measure on one device: the one the ranks are started on
+        args.device = resolve_device(args.device, ranks_here)
+    except ValueError as error:
+        print(f"python -m zeroc tune: {error}", file=sys.stderr)
+        return 2
+    if in_torchrun():
+        return run_torchrun(_tune_rank, args, device=args.device, name=NAME)
+    return run_local_ranks(_tune_rank, args.nproc, args, device=args.device, name=NAME)

@@ -39,8 +39,8 @@ from zeroc.runtime.zero_ops import ParamShard, ZeroLayout
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 UPDATE = os.environ.get("ZEROC_UPDATE_GOLDEN") == "1"
-DEMO_ARGS = ["--device", "cpu", "--steps", "1", "--zero", "0", "--layers", "2", "--width", "32", "--seq", "16",
-             "--batch", "2"]
+DEMO_ARGS = ["--device", "cpu", "--steps", "1", "--zero", "0", "--layers", "2", "--width", "32",
+             "--seq", "16", "--batch", "2"]
 
 
 def mask(text: str) -> str:

@@ -2,8 +2,9 @@
 
 Single-process cases tune the tiny zoo GPT over a narrowed search (each candidate is planned
 in the fake world, a few seconds here) on a published profile, so no calibration runs; the
-2-rank case estimates in a spawned child process (the fake world cannot share a process
-with a real process group) and measures on gloo.
+2-rank case (``tests/test_demo_launch.py``, through ``python -m zeroc tune --nproc 2``)
+estimates in a child process (the fake world cannot share a process with a real process
+group) and measures on gloo.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import sys
 
 import pytest
 import torch
-from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
 
 import zeroc
@@ -111,26 +111,6 @@ def test_nothing_fits_names_the_smallest_peak(tmp_path) -> None:
                                           r"planned peak is .*KiB against 1000 B"):
         zeroc.tune(model, inputs, search={"fused_loss": [True], "partitioner": ["default"]},
                    budget_s=300, hardware=tiny, cache_dir=str(tmp_path))
-
-
-def tune_job(rank: int, world: int, cache_dir: str) -> dict:
-    model, inputs = _model_and_inputs()
-    result = zeroc.tune(model, inputs, search={"zero": [2, 3], "fused_loss": [True],
-                                               "partitioner": ["default"], "pp": [1],
-                                               "prefetch": [1]},
-                        budget_s=400, measure_best=2, steps=2, hardware="a100-80gb",
-                        cache_dir=cache_dir)
-    return {"best": result.best, "measured": [t.measured_s for t in result.trials],
-            "estimated": [t.estimated_s for t in result.trials]}
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_ranks_agree_on_the_layout(tmp_path) -> None:
-    ranks = run_ranks(tune_job, 2, str(tmp_path), timeout=500)
-    assert ranks[0] == ranks[1]
-    assert {c for c in [ranks[0]["best"].zero]} <= {2, 3}
-    assert all(m is not None and m > 0 for m in ranks[0]["measured"])
 
 
 def test_planning_a_world_that_is_not_here_ranks_by_estimate(tmp_path) -> None:
