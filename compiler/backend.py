@@ -39,7 +39,7 @@ def zeroc_backend(
     # after init_process_group: do not let those imports keep the default group alive.
     drop_captured_groups()
     try:
-        config = Config.build(mode, options)
+        config = Config.build(mode, _with_tuned_options(example_inputs, options))
         session = session_for(find_compile_wrapper(), config)
         layout = pipeline_layout_of(example_inputs)
         log.debug("zeroc: backend: %s, %s", "a pipeline" if layout is not None else
@@ -50,6 +50,18 @@ def zeroc_backend(
         return compile_dynamo_graph(gm, example_inputs, config, session)
     except (OptionError, PipelineError, PlanMismatchError) as error:
         raise passthrough(error) from None
+
+
+def _with_tuned_options(example_inputs: list[Any], options: Mapping[str, Any] | None
+                        ) -> Mapping[str, Any] | None:
+    """``options`` over the tuned ones of a ``parallelize(layout="auto")`` model: the
+    tuner's choices are the defaults, what the user passed wins."""
+    layout = next((v._zeroc_layout for v in example_inputs
+                   if hasattr(v, "_zeroc_layout")), None)
+    tuned = getattr(layout, "tuned_options", ())
+    if not tuned:
+        return options
+    return {**dict(tuned), **dict(options or {})}
 
 
 _WARNED: set[str] = set()

@@ -305,6 +305,7 @@ def build_plan(session: CompileSession) -> Plan:
         options=tuple((k, str(v)) for k, v in config.to_dict().items()),
         graph_hash=graph_hash,
         option_defaults=tuple((k, str(v)) for k, v in type(config)().to_dict().items()),
+        layout_from=getattr(mesh_layout, "tuned_from", ""),
     )
     plan = Plan(
         meta=meta,

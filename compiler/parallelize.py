@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +53,7 @@ from torch.utils._pytree import tree_map
 
 from zeroc.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.meta_init import PLANNING, check_meta_initializable, materialize_direct
+from zeroc.runtime.errors import OptionError
 from zeroc.runtime.mesh import Mesh, build_mesh
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
@@ -77,6 +79,8 @@ from zeroc.stage_holding import FLAT_SHARDED_ATTR, install_state_dict_hooks
 from zeroc.trace_settings import ignore_model_logging, mark_batch_dynamic
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
+
+log = logging.getLogger(__name__)
 
 LAYOUT_ATTR = "_zeroc_layout"
 PARAM_ATTR = "_zeroc_param"
@@ -193,6 +197,8 @@ def parallelize(
     *,
     mesh: Any = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    layout: str | None = None,
+    cache_dir: str | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place over the data-parallel group; return ``model``.
 
@@ -210,7 +216,16 @@ def parallelize(
     arguments on the same model definition. The result is recorded as
     ``model._zeroc_layout`` (a ``ZeroLayout``); each flat buffer the compiled graphs read
     carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
+
+    ``layout="auto"`` takes ``zero`` and ``pp`` from the last ``zeroc.tune`` of this model
+    structure on this world and device (in ``cache_dir``, default ``~/.cache/zeroc``) and makes
+    its compile options the defaults of the model's ``torch.compile`` (options passed there
+    win); the plan says where the layout came from. No tuned layout raises ``OptionError``.
     """
+    tuned: tuple[tuple[str, Any], ...] = ()
+    tuned_from = ""
+    if layout is not None:
+        zero, pp, tuned, tuned_from = _tuned_layout(model, layout, cache_dir)
     _validate(model, zero)
     _check_process_group(mesh)
     check_meta_initializable(model, init_fn)
@@ -263,7 +278,8 @@ def parallelize(
         model.register_forward_hook(_cast_outputs_hook(policy.output_dtype))
     layout = ZeroLayout(
         zero=zero, pp=mesh_.pp, dp=mesh_.dp, world=mesh_.world, mixed_precision=policy,
-        mesh=mesh_, params=tuple(s.record for s in state.params),
+        mesh=mesh_, params=tuple(s.record for s in state.params), tuned_options=tuned,
+        tuned_from=tuned_from,
     )
     setattr(model, LAYOUT_ATTR, layout)
     model.__dict__["_zeroc_state"] = state
@@ -276,6 +292,28 @@ def parallelize(
         setattr(sharded.flat, PARAM_ATTR, sharded.record)
         setattr(sharded.flat, FLAT_SHARDED_ATTR, sharded)
     return model
+
+
+def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
+                  ) -> tuple[int, int, tuple[tuple[str, Any], ...], str]:
+    """``(zero, pp, options, source file)`` of the tuned layout for ``model`` here."""
+    from zeroc.tune_space import layout_path, read_layout
+
+    if layout != "auto":
+        raise OptionError(f"zeroc.parallelize: layout={layout!r} is not allowed; use "
+                          "layout='auto' (the zeroc.tune result) or None (zero= and pp=)")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = layout_path(cache_dir, model, world, device)
+    found = read_layout(path)
+    if found is None:
+        raise OptionError(
+            f"zeroc.parallelize: layout='auto' but no tuned layout for this model on {world} "
+            f"rank(s) of {device} in {os.path.dirname(path)}: run zeroc.tune(model, "
+            "example_inputs) (or python -m zeroc tune) first, with the same cache_dir")
+    best, source = found
+    log.info("zeroc.parallelize: tuned layout %s from %s", best.label(), source)
+    return best.zero, best.pp, best.options, source
 
 
 def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,

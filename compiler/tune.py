@@ -38,7 +38,15 @@ from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
 from zeroc.runtime.plan_text import human_bytes
 from zeroc.tune_estimate import estimate_all
-from zeroc.tune_space import Candidate, cache_path, candidates, model_key, read_cached, write_cached
+from zeroc.tune_space import (
+    Candidate,
+    cache_path,
+    candidates,
+    layout_path,
+    model_key,
+    read_cached,
+    write_cached,
+)
 
 __all__ = ["TuneResult", "Trial", "tune"]
 
@@ -303,7 +311,8 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
         raise OptionError("zeroc.tune: no candidate ran; see the warnings for why")
     best = min(measured, key=lambda t: t.measured_s).candidate
     if rank == 0:
-        write_cached(path, best, [t.to_json() for t in trials])
+        write_cached(path, best, [t.to_json() for t in trials],
+                     layout_path(cache_dir, model, world, device))
     result = TuneResult(best, tuple(trials), False, path)
     log.info("zeroc.tune: chose %s in %.1f s\n%s", best.label(),
              time.perf_counter() - start, result.table())

@@ -6,10 +6,12 @@ A ``Candidate`` is one layout (ZeRO stage, pipeline degree) with its compile opt
 defaults first, so a search cut short by its budget has still looked at the usual choices.
 ``search`` narrows or widens any axis: ``{"zero": [2, 3], "fused_loss": [True]}``.
 
-The winner is cached as JSON under ``<cache_dir>/tune/``, one file per (model structure,
-world, device): ``model_key`` hashes the module classes, parameter names, shapes and dtypes
-and the example inputs' shapes (what decides the compiled graphs). A file written by another
-torch or zeroc version, or for other inputs, is ignored with a log line.
+The winner is cached as JSON under ``<cache_dir>/tune/``, one file per (model structure and
+inputs, world, device), and once more per (model structure, world, device) as the ``.layout``
+file ``parallelize(layout="auto")`` reads: ``model_key`` hashes the module classes, parameter
+names, shapes and dtypes and the example inputs' shapes (what decides the compiled graphs). A
+file written by another torch or zeroc version, or for other inputs, is ignored with a log
+line.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from zeroc.codegen.cache_files import atomic_write, private_dir, resolve_cache_d
 from zeroc.config import SCHEDULES, Config
 from zeroc.runtime.errors import OptionError
 
-__all__ = ["Candidate", "SEARCH_AXES", "candidates", "model_key", "read_cached", "write_cached"]
+__all__ = ["Candidate", "SEARCH_AXES", "candidates", "layout_path", "model_key", "read_cached",
+           "read_layout", "write_cached"]
 
 log = logging.getLogger(__name__)
 
@@ -181,9 +184,39 @@ def read_cached(path: str) -> dict[str, Any] | None:
     return data
 
 
-def write_cached(path: str, best: Candidate, trials: list[dict[str, Any]]) -> None:
-    """Store the winner and the trial table at ``path`` (atomically)."""
+def layout_path(cache_dir: str | None, model: nn.Module, world: int, device: str) -> str:
+    """Where ``parallelize(layout="auto")`` looks: the last layout tuned for this model
+    structure (whatever its inputs) on ``world`` ranks of ``device``."""
+    key = model_key(model, ())
+    return os.path.join(resolve_cache_dir(cache_dir), "tune", f"{key}-w{world}-{device}.layout")
+
+
+def write_cached(path: str, best: Candidate, trials: list[dict[str, Any]],
+                 layout_file: str | None = None) -> None:
+    """Store the winner and the trial table at ``path`` (atomically), and the winner alone at
+    ``layout_file`` (for ``parallelize(layout="auto")``)."""
     directory = os.path.dirname(path)
     private_dir(os.path.dirname(directory), os.path.basename(directory))
     payload = {"versions": _versions(), "best": best.to_json(), "trials": trials}
     atomic_write(path, json.dumps(payload, indent=1))
+    if layout_file is not None:
+        atomic_write(layout_file, json.dumps(
+            {"versions": _versions(), "best": best.to_json(), "source": path}, indent=1))
+
+
+def read_layout(path: str) -> tuple[Candidate, str] | None:
+    """The winner in the ``.layout`` file at ``path`` and the cache file it came from, or None
+    (absent, unreadable, or from other versions: logged)."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+        if data.get("versions") != _versions():
+            log.info("zeroc: ignoring the tuned layout %s: tuned with %s, this is %s", path,
+                     data.get("versions"), _versions())
+            return None
+        return Candidate.from_json(data["best"]), str(data.get("source", path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        log.warning("zeroc: ignoring the unreadable tuned layout %s (%s)", path, error)
+        return None

@@ -81,6 +81,8 @@ class PlanMeta:
     graph_hash: str
     # Every option's default (same keys as ``options``); the header shows the ones that differ.
     option_defaults: tuple[tuple[str, str], ...] = ()
+    # parallelize(layout="auto"): the zeroc.tune cache file the layout came from ("": none).
+    layout_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,9 @@ def _header(plan: Plan, all_options: bool) -> list[str]:
     lines = [f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
              f"{meta.torch_version}, triton {meta.triton_version})", place,
              wrap(_options_line(meta, all_options), "  ")]
+    if meta.layout_from:
+        lines.append(wrap(f"layout and options tuned by zeroc.tune (parallelize(layout='auto'))"
+                          f", from {meta.layout_from}", "  "))
     if plan.estimate is not None:
         e = plan.estimate
         lines.append(wrap(

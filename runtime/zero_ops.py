@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Container
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -339,6 +340,10 @@ class ZeroLayout:
     mixed_precision: MixedPrecision | None
     mesh: Mesh
     params: tuple[ParamShard, ...]
+    # parallelize(layout="auto"): the compile options zeroc.tune chose with this layout (the
+    # compile's defaults; options the user passes win) and the tune cache file it came from.
+    tuned_options: tuple[tuple[str, Any], ...] = ()
+    tuned_from: str = ""
 
     @property
     def dp_group_name(self) -> str:

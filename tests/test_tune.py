@@ -172,3 +172,30 @@ def test_cli_plans_a_world_and_documents_every_flag(tmp_path) -> None:
     assert "chosen: zero" in done.stdout and "why: " in done.stdout
     saved = json.loads(out.read_text())
     assert saved["measured"] is False and len(saved["trials"]) == 2
+
+
+def test_parallelize_layout_auto_reads_the_tuned_layout(tmp_path) -> None:
+    """``parallelize(layout="auto")`` takes the tuned layout, its options become the compile's
+    defaults under ``mode="max-autotune"``, and the plan names the cache file."""
+    model, inputs = _model_and_inputs()
+    with pytest.raises(OptionError, match="no tuned layout for this model on 1 rank"):
+        zeroc.parallelize(GPT(GPTConfig.tiny(), seed=0), layout="auto",
+                          cache_dir=str(tmp_path))
+    with pytest.raises(OptionError, match="layout='bogus' is not allowed"):
+        zeroc.parallelize(GPT(GPTConfig.tiny(), seed=0), layout="bogus")
+    result = zeroc.tune(model, inputs, search={"fused_loss": [False], "partitioner": ["default"]},
+                        budget_s=300, measure_best=1, steps=1, hardware="a100-80gb",
+                        cache_dir=str(tmp_path))
+    fresh = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=0), layout="auto",
+                              cache_dir=str(tmp_path))
+    assert fresh._zeroc_layout.zero == result.best.zero
+    assert dict(fresh._zeroc_layout.tuned_options) == result.best.options_dict()
+    compiled = torch.compile(fresh, backend="zeroc", mode="max-autotune")
+    compiled(*inputs).backward()
+    plan = zeroc.explain(compiled)
+    options = dict(plan.meta.options)
+    assert options["fused_loss"] == "False" and options["partitioner"] == "default"
+    assert options["kernel_autotune"] == "True"  # what max-autotune itself sets
+    assert plan.meta.layout_from == result.cache_file
+    assert "tuned by zeroc.tune" in str(plan)
+    assert zeroc.Plan.from_json(plan.to_json()) == plan
