@@ -144,9 +144,14 @@ def two_rank_job(rank: int, world: int) -> dict:
     return results
 
 
+# At 4 ranks (among the suite's slowest cases): every stage on the GPT, ZeRO-3 on Llama; the
+# 2-rank job runs every (model, stage).
+FOUR_RANK_CASES = (("gpt", 0), ("gpt", 1), ("gpt", 2), ("gpt", 3), ("llama", 3))
+
+
 def four_rank_job(rank: int, world: int) -> dict:
     return {(name, zero): train_compiled(rank, world, name, zero, {"bucket_mb": 0.01})
-            for name in MODELS for zero in (0, 1, 2, 3)}
+            for name, zero in FOUR_RANK_CASES}
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +182,7 @@ def test_two_ranks_match_eager_global_batch(two_ranks, name: str, zero: int) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(("name", "zero"), FOUR_RANK_CASES)
 def test_four_ranks_match_eager_global_batch(four_ranks, name: str, zero: int) -> None:
     check_parity(four_ranks[0][(name, zero)], name, zero, 4)
 
@@ -278,10 +282,11 @@ def test_zero3_state_on_a_rank_is_16_psi_over_nd(two_ranks) -> None:
     assert got[0]["state_bytes"] + got[1]["state_bytes"] == 4 * padded + 12 * numel
 
 
-def check_stage_figures(results: list[dict], world: int) -> None:
+def check_stage_figures(results: list[dict], world: int,
+                        models: tuple[str, ...] = tuple(MODELS)) -> None:
     """Per stage: the plan's bytes at rest equal what the rank holds, and the plan's bytes
     moved per step follow the ZeRO arithmetic (Psi fp32 elements, N ranks)."""
-    for name in MODELS:
+    for name in models:
         got = {z: [r[(name, z)] for r in results] for z in (0, 1, 2, 3)}
         psi, padded = got[0][0]["numel"] * 4, got[3][0]["padded_numel"] * 4
         for zero in (0, 1, 2, 3):
@@ -306,4 +311,4 @@ def test_stage_memory_and_traffic_on_two_ranks(two_ranks) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_stage_memory_and_traffic_on_four_ranks(four_ranks) -> None:
-    check_stage_figures(four_ranks, 4)
+    check_stage_figures(four_ranks, 4, models=("gpt",))  # every stage runs on the GPT
