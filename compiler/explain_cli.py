@@ -22,15 +22,20 @@ __all__ = ["load_factory", "run_explain"]
 
 
 def load_factory(spec: str) -> Any:
-    """The callable named by ``path/to/file.py:name``."""
+    """The callable named by ``path/to/file.py:name``. Its module is importable by its file
+    name afterwards, so a child process (``zeroc.tune``'s planner) can unpickle its classes."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
         raise ValueError(f"factory {spec!r} is not allowed: write path/to/file.py:function")
     if not os.path.isfile(path):
         raise ValueError(f"factory {spec!r}: no file {path!r}")
-    module_spec = importlib.util.spec_from_file_location("zeroc_user_factory", path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    module_name = os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    sys.modules[module_name] = module
     module_spec.loader.exec_module(module)
     factory = getattr(module, name, None)
     if not callable(factory):

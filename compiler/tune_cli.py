@@ -16,13 +16,12 @@ Rank 0 prints the table of candidates, the winner and why; ``--json`` writes the
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
 import sys
-from typing import Any
 
+from zeroc.explain_cli import load_factory
 from zeroc.local_ranks import in_torchrun, resolve_device, run_local_ranks, run_torchrun
 
 __all__ = ["run_tune"]
@@ -63,27 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="search even if a result is cached")
     parser.add_argument("--json", metavar="PATH", help="write the winner and the table here")
     return parser
-
-
-def load_factory(spec: str) -> Any:
-    """The callable named by ``path/to/file.py:name``, its module importable by its file name
-    (so the planning child process can unpickle the model's classes)."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name or not os.path.isfile(path):
-        raise ValueError(f"factory {spec!r} is not allowed: write path/to/file.py:function "
-                         "naming an existing file")
-    directory = os.path.dirname(os.path.abspath(path))
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
-    module_name = os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ValueError(f"factory {spec!r}: {path} has no function {name!r}")
-    return factory
 
 
 def _tune(args: argparse.Namespace, rank: int) -> int:

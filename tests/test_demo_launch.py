@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from test_tune import FACTORY  # the tiny factory the tune CLI tests share
 
 from zeroc import local_ranks
 from zeroc.demo import build_parser, parse_args, run_demo
@@ -156,24 +157,6 @@ def test_ctrl_c_stops_every_rank_with_one_line() -> None:
         "zeroc demo: interrupted; stopped 2 ranks"], err[-3000:]
 
 
-FACTORY = '''
-import torch
-from torch import nn
-
-
-class TwoLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
-
-    def forward(self, x, y):
-        return nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
-
-
-def build():
-    torch.manual_seed(0)
-    return TwoLayer(), (torch.randn(8, 16), torch.randint(0, 4, (8,)))
-'''
 
 
 @pytest.mark.slow
