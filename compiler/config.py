@@ -42,7 +42,10 @@ class Config:
         power-of-two bucket of the problem size), so later runs reuse it untimed. Off a GPU
         the interpreter's fixed tile is used either way; the plan shows what was launched.
         On the Inductor path it is Inductor's ``max_autotune``.
-    record_graphs: keep each pass's graph text before and after, for ``zeroc.explain``.
+    record_graphs: keep each pass's graph text before and after, for ``zeroc.explain``
+        (``plan.passes_for(graph)[i].before`` / ``.after``). Off by default: rendering the
+        texts costs about a fifth of a compile. The final text of every graph
+        (``plan.graph(name).code``) is always kept.
     cache_dir: where generated kernel sources and autotune results are stored. zeroc
         creates its directories with mode 0o700 and refuses (OptionError) one that another
         user owns or that group or others can write; a cached file that is not exactly what
@@ -75,7 +78,7 @@ class Config:
     fused_loss: bool = True
     partitioner: str = "min_cut"
     kernel_autotune: bool = False
-    record_graphs: bool = True
+    record_graphs: bool = False
     cache_dir: str = "~/.cache/zeroc"
     bucket_mb: float = 25.0
     prefetch: int = 1

@@ -97,8 +97,9 @@ def run_passes(
     Each pass's stats are logged at DEBUG (``TORCH_LOGS="+zeroc"``)."""
     records: list[PassRecord] = []
     debug = log.isEnabledFor(logging.DEBUG)
+    text = graph_text(gm) if record else ""
     for graph_pass in passes:
-        before = graph_text(gm) if record else ""
+        before = text  # a pass's graph before is the previous pass's graph after
         n_before = count_nodes(gm)
         start = time.perf_counter()
         result = graph_pass(gm, ctx)
@@ -108,6 +109,7 @@ def run_passes(
         gm = result.gm
         gm.graph.lint()
         gm.recompile()
+        text = graph_text(gm) if record else ""
         records.append(
             PassRecord(
                 pass_name=graph_pass.__name__,
@@ -116,7 +118,7 @@ def run_passes(
                 nodes_before=n_before,
                 nodes_after=count_nodes(gm),
                 before=before,
-                after=graph_text(gm) if record else "",
+                after=text,
                 stats=dict(result.stats),
             )
         )

@@ -198,7 +198,8 @@ def _passes(plan: Plan, max_rows: int | None) -> str:
         ["graph", "pass", "nodes", "stats"],
         "none", max_rows,
         "nodes = ops before -> after; .dynamo = the Dynamo graph, .joint = the joint graph "
-        "before the split; graph texts: plan.passes_for(graph)[i].before / .after")
+        "before the split; final graph texts: plan.graph(name).code; every pass's graph before "
+        "and after: options={'record_graphs': True}, then plan.passes_for(graph)[i].before")
 
 
 def render_plan(plan: Plan, max_rows: int | None = MAX_ROWS, all_options: bool = False) -> str:

@@ -20,10 +20,10 @@ class TwoLayer(torch.nn.Module):
         return F.cross_entropy(self.fc2(F.gelu(self.norm(self.fc1(x)))), y)
 
 
-def _compiled_plan() -> tuple[torch.nn.Module, zeroc.Plan]:
+def _compiled_plan(options: dict | None = None) -> tuple[torch.nn.Module, zeroc.Plan]:
     torch.manual_seed(0)
     model = TwoLayer()
-    compiled = torch.compile(model, backend="zeroc")
+    compiled = torch.compile(model, backend="zeroc", options=options)
     loss = compiled(torch.randn(4, 16), torch.randint(0, 8, (4,)))
     loss.backward()
     return compiled, zeroc.explain(compiled)
@@ -52,13 +52,26 @@ def test_json_round_trip_is_exact() -> None:
 
 
 def test_each_pass_graph_before_and_after_is_reachable() -> None:
-    _, plan = _compiled_plan()
+    torch._dynamo.reset()
+    _, plan = _compiled_plan({"record_graphs": True})
     records = plan.passes_for("g0.forward")
     names = [r.pass_name for r in records]
     assert names == ["lower_zero", "remove_noop_views", "eliminate_dead_code", "fusion"]
     for record in records:
         assert "def forward" in record.before and "def forward" in record.after
+    for earlier, later in zip(records, records[1:], strict=False):
+        assert later.before == earlier.after
     assert records[0].before != "" and plan.graph("g0.forward").code == records[-1].after
+    assert "fused" in records[-1].after and "fused" not in records[-1].before
+
+
+def test_pass_graph_texts_are_made_only_when_asked_for() -> None:
+    torch._dynamo.reset()
+    _, plan = _compiled_plan()
+    records = plan.passes_for("g0.forward")
+    assert records and all(r.before == "" and r.after == "" for r in records)
+    assert all(r.nodes_before > 0 for r in records)  # the counts and stats stay
+    assert "def forward" in plan.graph("g0.forward").code
 
 
 def test_parameters_and_memory_estimate() -> None:
