@@ -177,6 +177,17 @@ def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimi
     return {**after, "peak": before["params"] + before["optimizer"] + tracker.peak}
 
 
+def _backward_for(device: str) -> Any:
+    """The step's backward: the autograd engine wherever it accepts the fake tensors (CPU
+    ones, or CUDA ones where a GPU is present), so the backward frees what a real one frees
+    when a real one frees it; else (fake CUDA tensors without a GPU) ``run_backward``'s walk,
+    whose peak is higher: a gradient it hands to a parameter is still referenced, so
+    ``AccumulateGrad`` copies it where the engine would take it over."""
+    if device == "cpu" or torch.cuda.is_available():
+        return lambda loss: loss.backward()
+    return run_backward
+
+
 def _explain_value_read(error: Exception) -> None:
     """Raise a ``ValueError`` naming the op when ``error`` is a value read on a fake tensor."""
     text = f"{type(error).__name__}: {error}"
@@ -210,7 +221,8 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
             _explain_value_read(error)
             raise
         del loss
-        memory = measured_step(compiled, parallel, optimizer, args, kwargs, run_backward)
+        memory = measured_step(compiled, parallel, optimizer, args, kwargs,
+                               _backward_for(device))
         plan = zeroc.explain(compiled)
     seconds = time.perf_counter() - started
     log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)

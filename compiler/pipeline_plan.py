@@ -16,6 +16,7 @@ the unit of one column.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from zeroc.passes.split_stages import FLOPS_PER_BYTE
@@ -138,6 +139,9 @@ def pipeline_info(record: Any) -> PipelineInfo:
         stage_costs=stage_costs,
         grid_time_unit=unit,
         grid_legend=legend,
+        message_bytes=tuple(
+            sum(math.prod(split.values[k][0]) * split.values[k][1].itemsize
+                for k in split.messages[s]) for s in range(schedule.num_stages - 1)),
     )
 
 

@@ -13,12 +13,17 @@
   bytes / link bandwidth; inter-node links when the data-parallel group spans more devices
   than a node has). Collectives inside graphs are taken as overlapped with the compute they
   run beside (only what exceeds it is exposed); the once-per-step ZeRO gathers and reductions
-  of a pipeline (``g0.step``) and the optimizer step's are exposed in full. P2p transfers
-  between stages are not modelled.
+  of a pipeline (``g0.step``) and the optimizer step's are exposed in full. A pipeline's p2p
+  transfer (the largest message between two stages, ``PipelineInfo.message_bytes``: latency +
+  bytes / link bandwidth, inter-node links when a pipeline position spans a node) delays
+  every dependency that crosses ranks in the simulation.
 - the optimizer: AdamW reads and writes 28 bytes per fp32 element a rank holds (parameter,
   gradient, two moments), at memory bandwidth.
 
-A rank's step is the sum; the job's step is its slowest position's.
+A rank's step is the sum; the job's step is its slowest position's. The estimate also gives
+every graph's time per call (``StepEstimate.graphs``) and the slowest rank's step by action
+kind (``StepEstimate.kinds``: the pipeline's F, B, I, W and F&B actions, or the forward and
+backward graphs, then p2p, exposed collectives and the optimizer).
 """
 
 from __future__ import annotations
@@ -77,25 +82,51 @@ def _collective_s(plan: Any, dp: int, profile: Any, inter_node: bool,
     return total
 
 
+def _p2p_s(info: Any, dp: int, profile: Any) -> float:
+    """One stage-to-stage transfer: the largest message, on the links between neighbouring
+    positions (``dp`` ranks apart: another node when a position fills one)."""
+    largest = max(getattr(info, "message_bytes", ()) or (0,))
+    if not largest:
+        return 0.0
+    return estimate_collective_s("send", largest, 2, profile, dp >= profile.devices_per_node)
+
+
+def _kinds_of(timeline: Any, rank: int) -> dict[str, float]:
+    """Seconds ``rank`` spends in each compute kind in ``timeline``."""
+    totals: dict[str, float] = {}
+    for timed in timeline.ranks[rank]:
+        kind = timed.action.kind.value
+        totals[kind] = totals.get(kind, 0.0) + timed.end - timed.start
+    return totals
+
+
 def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> StepEstimate:
     """The estimated step of the job whose positions planned ``plans`` (see the module)."""
     base = plans[0]
     pp = len(plans)
     dp = world // pp
     inter_node = dp > profile.devices_per_node
+    graph_s = {g.name: _graph_s(g, dtype, profile) for plan in plans for g in plan.graphs
+               if g.kind != "joint" and g.nodes}
+    p2p = 0.0
     if base.pipeline is None:
-        compute = sum(_graph_s(g, dtype, profile) for g in base.graphs
-                      if g.kind in ("forward", "backward", "inference"))
+        kinds = {g.kind: graph_s[g.name] for g in base.graphs
+                 if g.kind in ("forward", "backward", "inference") and g.name in graph_s}
+        compute = sum(kinds.values())
         bubble = 0.0
         compute_per_position = [compute]
+        kinds_per_position = [kinds]
     else:
         info = base.pipeline
         schedule = build_schedule(info.schedule, info.num_ranks, info.num_microbatches)
         costs = _stage_costs(plans, info.num_stages, dtype, profile)
-        timeline = simulate(schedule, ActionCosts(stages=costs))
+        p2p = _p2p_s(info, dp, profile)
+        timeline = simulate(schedule, ActionCosts(stages=costs, p2p_latency=p2p))
         compute_per_position = [timeline.makespan] * pp
         bubble = max(timeline.bubble_ratio(r) for r in range(info.num_ranks))
+        kinds_per_position = [_kinds_of(timeline, r) for r in range(info.num_ranks)]
     steps, exposed_max, optimizer_max = [], 0.0, 0.0
+    exposed_per_position, optimizer_per_position = [], []
     for position, plan in enumerate(plans):
         compute = compute_per_position[position]
         overlapped = _collective_s(plan, dp, profile, inter_node, once=False)
@@ -106,9 +137,17 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
         row = next(m for m in plan.memory if m.rank == position * dp)
         optimizer = (row.params // 4) * ADAMW_BYTES_PER_ELEMENT / profile.memory_bytes_per_s
         steps.append(compute + exposed + optimizer)
+        exposed_per_position.append(exposed)
+        optimizer_per_position.append(optimizer)
         exposed_max, optimizer_max = max(exposed_max, exposed), max(optimizer_max, optimizer)
     slowest = max(range(pp), key=lambda p: steps[p])
+    kinds = dict(kinds_per_position[min(slowest, len(kinds_per_position) - 1)])
+    if p2p:  # each cross-rank edge of the simulation waited this long
+        kinds["p2p (per transfer)"] = p2p
+    kinds["collectives (exposed)"] = exposed_per_position[slowest]
+    kinds["optimizer"] = optimizer_per_position[slowest]
     return StepEstimate(hardware=profile.name, dtype=dtype, step_s=steps[slowest],
                         compute_s=compute_per_position[slowest],
                         exposed_communication_s=exposed_max, optimizer_s=optimizer_max,
-                        bubble=bubble)
+                        bubble=bubble, graphs=tuple(graph_s.items()),
+                        kinds=tuple(kinds.items()))

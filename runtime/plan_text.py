@@ -70,6 +70,10 @@ def _header(plan: Plan, all_options: bool) -> list[str]:
             f"{1000 * e.compute_s:.1f} ms (bubble {100 * e.bubble:.1f}% of it idle) + exposed "
             f"communication {1000 * e.exposed_communication_s:.1f} ms + optimizer "
             f"{1000 * e.optimizer_s:.1f} ms (roofline and ring model: zeroc.step_estimate)", "  "))
+        if e.kinds:
+            lines.append(wrap("  by action kind on the slowest rank: " + ", ".join(
+                f"{k} {1000 * v:.3g} ms" for k, v in e.kinds) + "; per graph: the graphs "
+                "table's 'est. time' column", "  "))
     return lines
 
 
@@ -91,11 +95,18 @@ def _graphs(plan: Plan, max_rows: int | None) -> str:
     empty = [g.name for g in plan.graphs if g.nodes == 0]
     if empty:
         note += f"; not shown, empty (no ops): {', '.join(empty)}"
+    estimated = dict(plan.estimate.graphs) if plan.estimate is not None else {}
+    extra = (lambda g: [f"{1000 * estimated[g.name]:.3g} ms" if g.name in estimated else ""]
+             ) if estimated else (lambda g: [])
+    if estimated:
+        note += (f"; est. time = one call on {plan.estimate.hardware} (roofline per op, at "
+                 "least the launch floor)")
     return table(
         "graphs",
         [[g.name, g.kind, g.nodes, g.inputs, g.outputs, human_count(g.flops),
-          human_bytes(g.bytes), human_bytes(g.peak_bytes)] for g in shown],
-        ["graph", "kind", "nodes", "inputs", "outputs", "FLOPs", "bytes moved", "peak mem"],
+          human_bytes(g.bytes), human_bytes(g.peak_bytes), *extra(g)] for g in shown],
+        ["graph", "kind", "nodes", "inputs", "outputs", "FLOPs", "bytes moved", "peak mem",
+         *(["est. time"] if estimated else [])],
         "none" if not empty else f"none with ops ({', '.join(empty)} are empty)",
         max_rows, note if shown else "")
 

@@ -169,6 +169,8 @@ class PipelineInfo:
     stage_costs: tuple[tuple[float, float, float], ...] = ()
     grid_time_unit: float = 0.0
     grid_legend: str = ""
+    # Bytes each micro-batch sends from stage s to stage s + 1 (activations; gradients back).
+    message_bytes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,3 +184,7 @@ class StepEstimate:
     exposed_communication_s: float
     optimizer_s: float
     bubble: float
+    # Seconds per call of each compiled graph (its roofline), and the slowest rank's step by
+    # action kind (F, B, I, W, F&B, p2p, forward/backward graphs, collectives, optimizer).
+    graphs: tuple[tuple[str, float], ...] = ()
+    kinds: tuple[tuple[str, float], ...] = ()
