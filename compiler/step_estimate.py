@@ -11,9 +11,11 @@
   schedule with these costs; one rank's step is the simulated makespan.
 - communication: each collective from its bytes, its group size and a ring model (latency +
   bytes / link bandwidth; inter-node links when the data-parallel group spans more devices
-  than a node has). Collectives inside graphs are taken as overlapped with the compute they
-  run beside (only what exceeds it is exposed); the once-per-step ZeRO gathers and reductions
-  of a pipeline (``g0.step``) and the optimizer step's are exposed in full. A pipeline's p2p
+  than a node has). A collective inside a graph runs on one communication stream from the
+  node that issues it, and the node that waits for it waits for its end: it hides behind the
+  compute between issue and wait, and the rest is exposed (a graph's time includes it; in a
+  pipeline, so do the stage costs). The once-per-step ZeRO gathers and reductions of a
+  pipeline (``g0.step``) and the optimizer step's are exposed in full. A pipeline's p2p
   transfer (the largest message between two stages, ``PipelineInfo.message_bytes``: latency +
   bytes / link bandwidth, inter-node links when a pipeline position spans a node) delays
   every dependency that crosses ranks in the simulation.
@@ -50,16 +52,62 @@ def _graph_s(graph: Any, dtype: str, profile: Any) -> float:
     return sum(estimate_compute_s(c.flops, c.bytes, dtype, profile) for c in working)
 
 
-def _stage_costs(plans: list[Any], num_stages: int, dtype: str,
-                 profile: Any) -> tuple[tuple[float, float, float], ...]:
-    """(F, B, W) seconds per stage, from the stage graphs of whichever position holds it."""
-    graphs = {g.name.split(".", 1)[1]: g for plan in plans for g in plan.graphs
-              if g.name.count(".") >= 2}
+def _one_collective_s(c: Any, dp: int, profile: Any, inter_node: bool) -> float:
+    kind = c.op if c.op in ("all_gather", "reduce_scatter") else "all_reduce"
+    # zeroc's byte accounting: a gather / reduce-scatter of X moves X, an all-reduce 2X.
+    nbytes = c.bytes if kind != "all_reduce" else c.bytes // 2
+    return estimate_collective_s(kind, nbytes, dp, profile, inter_node)
+
+
+def _graph_timeline_s(graph: Any, collectives: list[Any], dtype: str, profile: Any, dp: int,
+                      inter_node: bool) -> tuple[float, float]:
+    """``(compute, total)`` seconds of one call of ``graph`` with its collectives: the nodes
+    run in graph order on the compute stream; a collective starts on the one communication
+    stream when its issuing node has run (and the previous collective is done) and the node
+    that waits for it starts no earlier than its end. So a gather issued early and waited
+    late hides behind the compute between, and what it does not hide is exposed. A
+    collective whose issue or wait node is not among the graph's nodes is issued at the start
+    and waited at the end."""
+    nodes = list(getattr(graph, "node_costs", ()))
+    names = {c.name for c in nodes}
+    issued: dict[str, list[Any]] = {}
+    waited: dict[str, list[Any]] = {}
+    loose = []
+    for c in collectives:
+        if c.issued_at in names and c.waited_at in names:
+            issued.setdefault(c.issued_at, []).append(c)
+            waited.setdefault(c.waited_at, []).append(c)
+        else:
+            loose.append(c)
+    now = comm_free = compute = 0.0
+    ends: dict[str, float] = {}
+    for c in loose:
+        comm_free += _one_collective_s(c, dp, profile, inter_node)
+    for node in nodes:
+        for c in waited.get(node.name, ()):
+            now = max(now, ends.get(c.name, now))
+        if node.flops or node.bytes:
+            seconds = estimate_compute_s(node.flops, node.bytes, dtype, profile)
+            now += seconds
+            compute += seconds
+        for c in issued.get(node.name, ()):
+            start = max(now, comm_free)
+            comm_free = ends[c.name] = start + _one_collective_s(c, dp, profile, inter_node)
+    if not nodes:
+        compute = now = _graph_s(graph, dtype, profile)
+    return compute, max(now, comm_free)
+
+
+def _stage_costs(graph_s: dict[str, float],
+                 num_stages: int) -> tuple[tuple[float, float, float], ...]:
+    """(F, B, W) seconds per stage, from the stage graphs (``g0.s3.forward``, of whichever
+    position holds the stage) in ``graph_s``."""
+    graphs = {name.split(".", 1)[1]: seconds for name, seconds in graph_s.items()
+              if name.count(".") >= 2}
     costs = []
     for stage in range(num_stages):
         def seconds(kind: str, stage: int = stage) -> float:
-            graph = graphs.get(f"s{stage}.{kind}")
-            return _graph_s(graph, dtype, profile) if graph is not None else 0.0
+            return graphs.get(f"s{stage}.{kind}", 0.0)
 
         forward = seconds("forward")
         weight = seconds("weight_grad")
@@ -68,18 +116,15 @@ def _stage_costs(plans: list[Any], num_stages: int, dtype: str,
     return tuple(costs)
 
 
-def _collective_s(plan: Any, dp: int, profile: Any, inter_node: bool,
-                  once: bool) -> float:
-    total = 0.0
-    for c in plan.collectives:
-        at_step = c.graph.endswith(".step") or c.graph == "optimizer.step"
-        if at_step != once:
-            continue
-        kind = c.op if c.op in ("all_gather", "reduce_scatter") else "all_reduce"
-        # zeroc's byte accounting: a gather / reduce-scatter of X moves X, an all-reduce 2X.
-        nbytes = c.bytes if kind != "all_reduce" else c.bytes // 2
-        total += estimate_collective_s(kind, nbytes, dp, profile, inter_node)
-    return total
+def _at_step(c: Any) -> bool:
+    """Whether a collective runs once per step outside the graphs (a pipeline's ZeRO buckets,
+    the optimizer step's)."""
+    return c.graph.endswith(".step") or c.graph == "optimizer.step"
+
+
+def _step_collectives_s(plan: Any, dp: int, profile: Any, inter_node: bool) -> float:
+    return sum(_one_collective_s(c, dp, profile, inter_node) for c in plan.collectives
+               if _at_step(c))
 
 
 def _p2p_s(info: Any, dp: int, profile: Any) -> float:
@@ -106,20 +151,30 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
     pp = len(plans)
     dp = world // pp
     inter_node = dp > profile.devices_per_node
-    graph_s = {g.name: _graph_s(g, dtype, profile) for plan in plans for g in plan.graphs
-               if g.kind != "joint" and g.nodes}
+    timelines = {}
+    for plan in plans:
+        by_graph: dict[str, list[Any]] = {}
+        for c in plan.collectives:
+            by_graph.setdefault(c.graph, []).append(c)
+        for g in plan.graphs:
+            if g.kind != "joint" and g.nodes:
+                timelines[g.name] = _graph_timeline_s(g, by_graph.get(g.name, []), dtype,
+                                                      profile, dp, inter_node)
+    graph_s = {name: total for name, (_, total) in timelines.items()}
     p2p = 0.0
+    in_graphs = 0.0  # communication the graphs' own compute does not hide
     if base.pipeline is None:
         kinds = {g.kind: graph_s[g.name] for g in base.graphs
                  if g.kind in ("forward", "backward", "inference") and g.name in graph_s}
-        compute = sum(kinds.values())
+        in_graphs = sum(total - compute for name, (compute, total) in timelines.items()
+                        if any(g.name == name and g.kind in kinds for g in base.graphs))
         bubble = 0.0
-        compute_per_position = [compute]
+        compute_per_position = [sum(kinds.values()) - in_graphs]
         kinds_per_position = [kinds]
     else:
         info = base.pipeline
         schedule = build_schedule(info.schedule, info.num_ranks, info.num_microbatches)
-        costs = _stage_costs(plans, info.num_stages, dtype, profile)
+        costs = _stage_costs(graph_s, info.num_stages)
         p2p = _p2p_s(info, dp, profile)
         timeline = simulate(schedule, ActionCosts(stages=costs, p2p_latency=p2p))
         compute_per_position = [timeline.makespan] * pp
@@ -129,11 +184,7 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
     exposed_per_position, optimizer_per_position = [], []
     for position, plan in enumerate(plans):
         compute = compute_per_position[position]
-        overlapped = _collective_s(plan, dp, profile, inter_node, once=False)
-        if plan.pipeline is not None:
-            overlapped *= plan.pipeline.num_microbatches  # pp_reshard: per micro-batch
-        exposed = max(0.0, overlapped - compute) + _collective_s(
-            plan, dp, profile, inter_node, once=True)
+        exposed = in_graphs + _step_collectives_s(plan, dp, profile, inter_node)
         row = next(m for m in plan.memory if m.rank == position * dp)
         optimizer = (row.params // 4) * ADAMW_BYTES_PER_ELEMENT / profile.memory_bytes_per_s
         steps.append(compute + exposed + optimizer)
