@@ -297,7 +297,7 @@ def parallelize(
 def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
                   ) -> tuple[int, int, tuple[tuple[str, Any], ...], str]:
     """``(zero, pp, options, source file)`` of the tuned layout for ``model`` here."""
-    from zeroc.tune_space import layout_path, read_layout
+    from zeroc.tune_space import layout_path, read_layout, read_on_rank0
 
     if layout != "auto":
         raise OptionError(f"zeroc.parallelize: layout={layout!r} is not allowed; use "
@@ -305,7 +305,7 @@ def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = layout_path(cache_dir, model, world, device)
-    found = read_layout(path)
+    found = read_on_rank0(read_layout, path)
     if found is None:
         raise OptionError(
             f"zeroc.parallelize: layout='auto' but no tuned layout for this model on {world} "

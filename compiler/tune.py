@@ -45,6 +45,7 @@ from zeroc.tune_space import (
     layout_path,
     model_key,
     read_cached,
+    read_on_rank0,
     write_cached,
 )
 
@@ -234,7 +235,7 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     key = model_key(model, example_inputs)
     path = cache_path(cache_dir, key, world, device)
-    cached = None if force else read_cached(path)
+    cached = None if force else read_on_rank0(read_cached, path)
     if cached is not None:
         log.info("zeroc.tune: using the cached layout %s from %s", cached["best"], path)
         trials = tuple(Trial(Candidate.from_json(t["candidate"]), t["estimated_s"],

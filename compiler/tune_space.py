@@ -31,7 +31,7 @@ from zeroc.config import SCHEDULES, Config
 from zeroc.runtime.errors import OptionError
 
 __all__ = ["Candidate", "SEARCH_AXES", "candidates", "layout_path", "model_key", "read_cached",
-           "read_layout", "write_cached"]
+           "read_layout", "read_on_rank0", "write_cached"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,22 @@ def write_cached(path: str, best: Candidate, trials: list[dict[str, Any]],
     if layout_file is not None:
         atomic_write(layout_file, json.dumps(
             {"versions": _versions(), "best": best.to_json(), "source": path}, indent=1))
+
+
+def read_on_rank0(reader: Any, path: str) -> Any:
+    """``reader(path)`` on global rank 0, the same value on every rank.
+
+    Every rank must act on one answer: with a cache directory per node (the default is in
+    the home directory), ranks reading their own files would disagree (one tunes with
+    collectives while another returns, or two layouts meet). Only rank 0 writes, so only
+    rank 0 reads, and its answer is broadcast."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return reader(path)
+    found = [reader(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def read_layout(path: str) -> tuple[Candidate, str] | None:

@@ -21,7 +21,7 @@ from models.gpt import GPT, GPTConfig
 import zeroc
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
-from zeroc.tune_space import Candidate, candidates
+from zeroc.tune_space import Candidate, cache_path, candidates, layout_path, model_key, write_cached
 
 NARROW = {"fused_loss": [True, False], "partitioner": ["default"]}
 
@@ -199,3 +199,29 @@ def test_parallelize_layout_auto_reads_the_tuned_layout(tmp_path) -> None:
     assert plan.meta.layout_from == result.cache_file
     assert "tuned by zeroc.tune" in str(plan)
     assert zeroc.Plan.from_json(plan.to_json()) == plan
+
+
+def _auto_layout_with_a_cache_per_node(rank: int, world: int, root: str) -> tuple:
+    """Rank 0's cache holds a tuned layout, rank 1's is empty (another node's disk)."""
+    model, inputs = _model_and_inputs()
+    cache_dir = os.path.join(root, f"node{rank}")
+    if rank == 0:
+        best = Candidate(zero=2, pp=1, options=(("fused_loss", False),))
+        write_cached(cache_path(cache_dir, model_key(model, inputs), world, "cpu"), best, [],
+                     layout_path(cache_dir, model, world, "cpu"))
+    parallel = zeroc.parallelize(model, layout="auto", cache_dir=cache_dir)
+    tuned = zeroc.tune(model, inputs, cache_dir=cache_dir, budget_s=60)
+    return (parallel._zeroc_layout.zero, dict(parallel._zeroc_layout.tuned_options),
+            tuned.from_cache, tuned.best.label())
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_rank0s_tuned_layout_with_a_cache_per_node(tmp_path) -> None:
+    """Only rank 0 writes the tune cache, so only rank 0 reads it: with a cache directory
+    per node, every rank still takes the same layout (and ``tune`` returns the cached result
+    everywhere instead of tuning on some ranks only)."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_auto_layout_with_a_cache_per_node, 2, str(tmp_path), timeout=240)
+    expected = (2, {"fused_loss": False}, True, "zero2 pp1 fused_loss=False")
+    assert results[0] == results[1] == expected
