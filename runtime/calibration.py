@@ -47,7 +47,7 @@ from zeroc.runtime.hardware import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the files under <cache_dir>/calibration/; another one is measured again
+FORMAT = 2  # of the files under <cache_dir>/calibration/; another one is measured again
 DEFAULT_SECONDS = 0.3  # per measurement: about 3 s on one CPU, 15 s on GPUs with 3 group sizes
 MAX_REPS = 200
 # (m, k, n) of a square and a skinny product per shape class (the class of 2*m*k*n FLOPs).
@@ -246,11 +246,33 @@ def measure_memory_bandwidth(device: torch.device, seconds: float, total_bytes: 
     return best_rate(functools.partial(dst.copy_, src), 2.0 * src.nbytes, seconds, device)
 
 
+def node_floor_graph(device: torch.device) -> tuple[Callable[[], object], int]:
+    """A call of a generated FX graph of tiny aten ops on ``device`` and its node count.
+
+    zeroc runs its graphs as generated Python calling aten ops one by one (its aten path), so
+    each op costs at least the Python call, the dispatcher, the output's allocation and, on a
+    GPU, the kernel launch: timing this graph per node gives that floor, for ops of every
+    kind (arithmetic, views, copies). A single ``torch.add(out=)`` would leave out the
+    allocation and the graph's own Python."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def chain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        for _ in range(32):
+            a = a * b + 1.0
+            a = a.view(-1, 4).t().contiguous().view(-1)
+        return a
+
+    a, b = torch.ones(64, device=device), torch.ones(64, device=device)
+    graph = make_fx(chain)(a, b)
+    nodes = sum(1 for n in graph.graph.nodes if n.op == "call_function")
+    return functools.partial(graph, a, b), nodes
+
+
 def measure_launch_floor(device: torch.device, seconds: float) -> float:
-    """Seconds per tiny aten op on ``device`` (dispatch and, on CUDA, kernel launch)."""
+    """Seconds per node of a graph of tiny aten ops on ``device`` (``node_floor_graph``)."""
     log.info("calibrating the launch floor on %s", device)
-    a, b, out = (torch.ones(1, device=device) for _ in range(3))
-    return 1.0 / best_rate(functools.partial(torch.add, a, b, out=out), 1.0, seconds, device)
+    run, nodes = node_floor_graph(device)
+    return 1.0 / best_rate(run, float(nodes), seconds, device)
 
 
 def message_bytes(device: torch.device, group_size: int) -> list[int]:

@@ -284,11 +284,11 @@ def _copy_bandwidth(end: float) -> float:
 
 
 def _launch_floor(end: float) -> float:
-    a, b, out = torch.ones(1), torch.ones(1), torch.empty(1)
-    run = functools.partial(torch.add, a, b, out=out)
+    from zeroc.runtime.calibration import node_floor_graph  # it imports this module
+    run, nodes = node_floor_graph(torch.device("cpu"))
     run()
     budget = max(end - time.perf_counter(), 0.0)
-    return 1.0 / _best_rate(run, 1.0, end, min(0.01, budget / 8 + 1e-4))
+    return 1.0 / _best_rate(run, float(nodes), end, min(0.01, budget / 8 + 1e-4))
 
 
 def _cpu_model() -> str:
@@ -312,10 +312,10 @@ def _memory_total_bytes() -> int:
 
 
 def calibrate_cpu(seconds: float = 5.0) -> HardwareProfile:
-    """Measure this machine in about ``seconds``: the best sustained fp32 matmul FLOP/s over
-    a few square sizes, the bandwidth of a large tensor copy (bytes read plus written) and the
-    time of a tiny aten op (the launch floor). Links between "devices" are taken as memory:
-    both link bandwidths are the copy bandwidth, both latencies the launch floor."""
+    """Measure this machine in about ``seconds``: the best fp32 matmul FLOP/s over a few
+    square sizes, the bandwidth of a large tensor copy (bytes read plus written) and the time
+    of one node of a generated graph of tiny aten ops (the launch floor). Links are taken as
+    memory: both bandwidths are the copy bandwidth, both latencies the launch floor."""
     if not _number(seconds) or seconds <= 0:
         raise OptionError(f"calibrate_cpu: seconds = {seconds!r} must be a positive number")
     start = time.perf_counter()
@@ -344,7 +344,8 @@ def cpu_profile(cache_dir: str | None = None, seconds: float = 5.0) -> HardwareP
     ``~/.cache/zeroc``, created with mode 0o700). A corrupt or stale file is measured again
     and a cache that cannot be written is only logged."""
     key = {"cpu_model": _cpu_model(), "cores": os.cpu_count() or 1,
-           "torch": torch.__version__, "threads": torch.get_num_threads()}
+           "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "launch_floor": "fx-node"}  # what the launch floor times (a graph's node)
     root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = os.path.join(root, "hardware", f"cpu-{digest}.json")
@@ -358,9 +359,8 @@ def cpu_profile(cache_dir: str | None = None, seconds: float = 5.0) -> HardwareP
 
 def estimate_compute_s(flops: float, bytes_moved: float, dtype: torch.dtype | str,
                        profile: str | Mapping[str, Any] | HardwareProfile) -> float:
-    """Roofline time of one op: ``max(flops / peak(dtype), bytes_moved / memory bandwidth)``,
-    never below the launch floor; the peak is ``matmul_flops_for`` (the shape class's when
-    measured). ``profile`` is anything ``get_profile`` takes."""
+    """Roofline time of one op: ``max(flops / peak(dtype), bytes_moved / memory bandwidth,
+    launch floor)``; the peak is ``matmul_flops_for`` (the shape class's when measured)."""
     hardware = get_profile(profile)
     for key, value in (("flops", flops), ("bytes_moved", bytes_moved)):
         if not _number(value) or value < 0:
