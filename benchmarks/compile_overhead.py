@@ -16,6 +16,7 @@ charged to whichever backend runs first; the Inductor and zeroc caches point at 
 temporary directory so every compile is cold. A backend that fails is reported as n/a.
 
     python benchmarks/compile_overhead.py --steps 20 --json results.json
+    python benchmarks/compile_overhead.py --distributed   # ZeRO-3 and pp=2 vs torch + aot_eager
 """
 
 from __future__ import annotations
@@ -247,6 +248,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "machine shared with other work, 1 avoids OpenMP threads spinning",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="instead: the first step of ZeRO-3 against FSDP2 + aot_eager and of pp=2 "
+        "DualPipeV against torch pipelining + aot_eager stages on 2 gloo ranks, median of 3 "
+        "fresh processes each (benchmarks/compile_distributed.py; its own flags there)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
@@ -258,6 +266,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the tables, optionally write JSON; return the JSON object."""
     args = parse_args(argv)
+    if args.distributed:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import compile_distributed
+
+        return compile_distributed.main(["--repeats", "3"] + (
+            ["--json", args.json] if args.json else []))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
