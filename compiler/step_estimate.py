@@ -20,7 +20,8 @@
   bytes / link bandwidth, inter-node links when a pipeline position spans a node) delays
   every dependency that crosses ranks in the simulation.
 - the optimizer: AdamW reads and writes 28 bytes per fp32 element a rank holds (parameter,
-  gradient, two moments), at memory bandwidth.
+  gradient, two moments), at memory bandwidth; on a CPU profile also 12 ops per parameter
+  tensor at the launch floor (torch's CPU default is its per-tensor loop).
 
 A rank's step is the sum; the job's step is its slowest position's. The estimate also gives
 every graph's time per call (``StepEstimate.graphs``) and the slowest rank's step by action
@@ -40,6 +41,23 @@ from zeroc.runtime.simulate import ActionCosts, simulate
 __all__ = ["estimate_step"]
 
 ADAMW_BYTES_PER_ELEMENT = 28  # read p, g, m, v and write p, m, v: 7 fp32 values
+# Ops torch's single-tensor AdamW (its default on the CPU) runs per parameter tensor: each
+# pays the launch floor (on a GPU the default foreach path runs them once per group).
+ADAMW_OPS_PER_TENSOR = 12
+
+
+def _optimizer_s(plan: Any, position: int, params_bytes: int, profile: Any) -> float:
+    """AdamW on what a rank holds: its elements at memory bandwidth, plus, on a CPU, the
+    launch floor of every op the per-tensor loop runs."""
+    seconds = (params_bytes // 4) * ADAMW_BYTES_PER_ELEMENT / profile.memory_bytes_per_s
+    if not profile.name.startswith("cpu"):
+        return seconds
+    if plan.pipeline is None:
+        tensors = len(plan.params)
+    else:
+        tensors = sum(len(plan.stages[s].param_names)
+                      for s, ranks in enumerate(plan.pipeline.placement) if position in ranks)
+    return seconds + tensors * ADAMW_OPS_PER_TENSOR * profile.launch_floor_s
 
 
 def _graph_s(graph: Any, dtype: str, profile: Any) -> float:
@@ -186,7 +204,7 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
         compute = compute_per_position[position]
         exposed = in_graphs + _step_collectives_s(plan, dp, profile, inter_node)
         row = next(m for m in plan.memory if m.rank == position * dp)
-        optimizer = (row.params // 4) * ADAMW_BYTES_PER_ELEMENT / profile.memory_bytes_per_s
+        optimizer = _optimizer_s(plan, position, row.params, profile)
         steps.append(compute + exposed + optimizer)
         exposed_per_position.append(exposed)
         optimizer_per_position.append(optimizer)

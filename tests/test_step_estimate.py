@@ -52,3 +52,15 @@ def test_a_collective_outside_the_graphs_nodes_is_waited_at_the_end() -> None:
     assert compute == pytest.approx(mm)
     assert total == pytest.approx(estimate_collective_s("all_gather", 10 ** 9, 2, PROFILE,
                                                         False))
+
+
+def test_adamw_on_a_cpu_pays_the_launch_floor_per_parameter_tensor() -> None:
+    from zeroc.step_estimate import ADAMW_OPS_PER_TENSOR, _optimizer_s
+
+    plan = SimpleNamespace(pipeline=None, params=[object()] * 50)
+    gpu = get_profile("h100-sxm")
+    cpu = get_profile({"base": "h100-sxm", "name": "cpu-test", "launch_floor_s": 5e-6})
+    streaming = 10 ** 6 * 28 / gpu.memory_bytes_per_s  # 1M fp32 elements, 28 bytes each
+    assert _optimizer_s(plan, 0, 4 * 10 ** 6, gpu) == pytest.approx(streaming)
+    assert _optimizer_s(plan, 0, 4 * 10 ** 6, cpu) == pytest.approx(
+        streaming + 50 * ADAMW_OPS_PER_TENSOR * 5e-6)
