@@ -21,12 +21,11 @@ import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
-_HOST = "127.0.0.1"
+from zeroc.launch import run_ranks  # noqa: E402
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -79,18 +78,8 @@ def pick(space: list, limit: int) -> list:
     return list(dict.fromkeys([space[0], *chosen]))[:limit]
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.TCPStore(_HOST, port, world, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        _measure_world(rank, world, args, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure_world(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+def _measure_world(rank: int, world: int, args: argparse.Namespace) -> dict | None:
+    """One gloo rank (``zeroc.launch.run_ranks``): rank 0 returns the world's rows."""
     import zeroc
     from zeroc.tune import measure
     from zeroc.tune_estimate import estimate_all
@@ -109,14 +98,13 @@ def _measure_world(rank: int, world: int, args: argparse.Namespace, out: str) ->
     for _ in range(args.repeats):
         for candidate in runnable:
             times[candidate].append(measure(model, inputs, candidate, args.steps))
-    if rank == 0:
-        rows = [{"candidate": c.label(), "estimated_s": estimates[c][0],
-                 "peak_bytes": estimates[c][1],
-                 "measured_s": statistics.median(times[c])} for c in runnable]
-        with open(out, "w") as handle:
-            json.dump({"world": world, "rows": rows,
-                       "rejected": {c.label(): estimates[c][2] for c in space
-                                    if c not in runnable}}, handle, indent=1)
+    if rank != 0:
+        return None
+    rows = [{"candidate": c.label(), "estimated_s": estimates[c][0],
+             "peak_bytes": estimates[c][1],
+             "measured_s": statistics.median(times[c])} for c in runnable]
+    return {"world": world, "rows": rows,
+            "rejected": {c.label(): estimates[c][2] for c in space if c not in runnable}}
 
 
 def summarize(world: int, rows: list[dict], measure_best: int) -> dict:
@@ -150,20 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--timeout", type=float, default=7200.0,
+                        help="seconds a world may take before its ranks are stopped")
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
     results = []
     for world in (int(w) for w in args.worlds.split(",")):
-        out = os.path.join(os.path.dirname(os.path.abspath(args.json or "x")),
-                           f".tune_accuracy_w{world}.json")
-        store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False)
-        torch.multiprocessing.start_processes(
-            _rank_main, args=(world, store.port, args, out), nprocs=world,
-            start_method="spawn")
-        with open(out) as handle:
-            data = json.load(handle)
-        os.unlink(out)
+        data = run_ranks(_measure_world, world, args, timeout=args.timeout)[0]
         summary = summarize(world, data["rows"], args.measure)
         results.append({**data, "summary": summary})
         print(f"\nworld {world}: {summary['candidates']} candidates")
