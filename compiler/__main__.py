@@ -35,4 +35,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # before a command's own handler (its imports): one line
+        print(f"python -m zeroc {' '.join(sys.argv[1:2])}: interrupted", file=sys.stderr)
+        sys.exit(130)
