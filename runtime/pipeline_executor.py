@@ -5,7 +5,10 @@ A ``StageProgram`` holds a stage's compiled functional graphs (DESIGN.md §4.1):
 ``backward(saved..., tangents...) -> gradients in input order``, and the same backward split
 into ``input_grad`` (I) and ``weight_grad`` (W). ``PipelineExecutor.run`` walks this rank's
 lowered action list once per step: ``F``/``B``/``I``/``W``/``FB`` call the graphs and keep the
-saved tensors per (stage, micro-batch) itself (no autograd tape), p2p groups move messages.
+saved tensors per (stage, micro-batch) itself (no autograd tape), p2p groups move messages
+(``runtime/pipeline_messages.py``); the step ends with one all-gather of loss shares, timings
+and batch digests (``runtime/pipeline_sync.py``). What is the same every step (each group's
+transfers and waits, profiler names, timing labels) is worked out once, in ``__init__``.
 
 Messages. ``messages[s]`` names the values stage ``s`` hands to stage ``s + 1`` (its own
 outputs and values passing through it to later stages); the backward message of stage ``s``
@@ -15,10 +18,12 @@ gradient is what came from downstream plus what the stage's own use of it contri
 Gradients. The last stage's loss is the mean over micro-batches, so every micro-batch's loss
 gets the tangent ``1 / microbatches``; parameter gradients accumulate over micro-batches and
 are then summed over the pipeline positions holding the same parameter (``p2p.exchange_and_
-sum``). After the step one all-gather over the pipeline group collects every rank's loss share
-and action timings, so every rank returns the loss and can draw the measured timeline.
+sum``). A micro-batch's first gradient of a parameter is kept as the graph returned it when it
+is a fresh tensor, else copied. After the step one all-gather over the pipeline group collects
+every rank's loss share and action timings, so every rank returns the loss and can draw the
+measured timeline.
 
-Profiling. While a ``torch.profiler`` records, the step runs inside
+Profiling. While a ``torch.profiler`` records (checked once per step), the step runs inside
 ``record_function("zeroc/pipeline_step")`` and each action group inside
 ``zeroc/<group label>`` (``zeroc/F0@s1``, ``zeroc/SEND_F0@s0->r1``; a compute's wait for
 its messages is inside its action), the end-of-step exchanges inside ``zeroc/step_sync`` and
@@ -34,16 +39,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroc.runtime.actions import Action, ActionKind, Schedule
-from zeroc.runtime.executor import PROFILE_PREFIX, record
-from zeroc.runtime.mesh import resolve_group
-from zeroc.runtime.p2p import exchange_and_sum, post_receives, post_sends
+from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
+from zeroc.runtime.p2p import exchange_and_sum
+from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
+from zeroc.runtime.pipeline_sync import StepSync, StepTimings, action_groups, group_label
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
+
+__all__ = ["PP_SOURCE_ATTR", "PipelineExecutor", "PipelineLayout", "StageProgram", "StepTimings"]
 
 log = logging.getLogger(__name__)
 
@@ -103,39 +110,12 @@ class PipelineLayout:
     bucket_mb: float = 25.0
 
 
-@dataclasses.dataclass(frozen=True)
-class StepTimings:
-    """Wall-clock (start, end) seconds of every action group of every rank in the last step."""
-
-    labels: tuple[tuple[str, ...], ...]
-    times: tuple[tuple[tuple[float, float], ...], ...]
-    # Seconds each group waited, before it started, for receives it needed (per rank).
-    waits: tuple[tuple[float, ...], ...] = ()
-
-
-def action_groups(actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
-    """One rank's actions grouped: each run of p2p actions together, every other alone."""
-    groups: list[list[Action]] = []
-    for action in actions:
-        if action.is_p2p and groups and groups[-1][0].is_p2p:
-            groups[-1].append(action)
-        else:
-            groups.append([action])
-    return [tuple(g) for g in groups]
-
-
-def group_label(group: tuple[Action, ...]) -> str:
-    """A readable name of an action group for traces: ``F3@s1`` or ``SEND_F3@s1->r2 ...``."""
-    return " ".join(str(a) for a in group)
-
-
 class PipelineExecutor:
     """Runs this rank's actions of a pipeline step; see the module docstring."""
 
     def __init__(self, layout: PipelineLayout, stages: dict[int, StageProgram]) -> None:
         self.layout = layout
-        self.stages = stages
-        self.last_stage = layout.schedule.num_stages - 1
+        self.stages, self.last_stage = stages, layout.schedule.num_stages - 1
         self.timings: StepTimings | None = None
         self.steps = 0
         self.zero = StepZero(layout.hoisted, {s: p.param_inputs for s, p in stages.items()},
@@ -144,15 +124,24 @@ class PipelineExecutor:
             train: [action_groups(rank_actions) for rank_actions in schedule.actions]
             for train, schedule in ((True, layout.schedule), (False, layout.forward_schedule))
         }
-        # Profiler names of this rank's action groups, made once (see the module docstring).
+        # Made once (module docstring): profiler names, message plans, the closing all-gather.
+        position = layout.position
         self.profile_names = {
-            train: tuple(PROFILE_PREFIX + group_label(g) for g in groups[layout.position])
+            train: tuple(PROFILE_PREFIX + group_label(g) for g in groups[position])
             for train, groups in self.groups.items()
         }
+        self.plans = {train: plan_groups(groups[position], train, layout.messages,
+                                         layout.values, layout.global_ranks)
+                      for train, groups in self.groups.items()}
+        self.sync = StepSync(self.groups, layout)
+        self.messages = StepMessages()
+        schedule = layout.schedule
+        self._rank_of = {(s, m): schedule.rank_of(s, m) for s in range(schedule.num_stages)
+                         for m in range(schedule.num_microbatches)}
+        self._param_inputs = tuple(dict.fromkeys(  # this rank's: each gets a gradient
+            i for p in stages.values() for i in p.param_inputs))
         log.debug("zeroc: pipeline position %d runs stages %s: %d action groups per step",
-                  layout.position, sorted(stages), len(self.groups[True][layout.position]))
-
-    # -- one step -------------------------------------------------------------------------
+                  position, sorted(stages), len(self.groups[True][position]))
 
     def run(self, inputs: list[Any], train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run the step on the model's flat inputs; return (mean loss, parameter gradients)."""
@@ -166,140 +155,73 @@ class PipelineExecutor:
 
     def _run_step(self, inputs: list[Any],
                   train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        self._inputs = inputs
-        self._train = train
-        self._inbox_f: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._inbox_b: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._outbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}
-        self._saved: dict[tuple[int, int], tuple[list[Any], dict[str, torch.Tensor]]] = {}
+        self._inputs, self._train = inputs, train
+        self._saved: dict[tuple[int, int], list[Any]] = {}
         self._pending_w: dict[tuple[int, int], list[Any]] = {}
         self._grads: dict[int, torch.Tensor] = {}
         tensor = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         self._step_device = device = tensor.device if tensor is not None else torch.device("cpu")
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
-        self._scale = self._normaliser(inputs)
+        self._scale = self.sync.loss_scale(inputs)
         if self.zero is not None:
             self.zero.begin()
+        self.messages.begin(device)
+        self._inbox_f, self._inbox_b = self.messages.inbox["F"], self.messages.inbox["B"]
         my_groups = self.groups[train][self.layout.position]
-        names = self.profile_names[train]
+        plans = self.plans[train]
         clock = StepClock(device, PLANNING.simulated)
         marks: list[Any] = []  # per group: start, compute start (after waiting), end
-        self._posted: dict[int, list] = {}
-        self._arriving: dict[tuple[str, int, int], list[Any]] = {}
-        self._sends: list[tuple[Any, torch.Tensor]] = []
+        names = self.profile_names[train] if profiling() else None
         with torch.no_grad(), tracking_scope():
             for position, group in enumerate(my_groups):
-                marks.append(clock.mark())
-                with record(names[position]):
-                    if group[0].is_p2p:
-                        self._p2p(position, group)
-                        marks.append(marks[-1])
-                    else:
-                        # Receives of the next p2p group are posted before this compute runs;
-                        # this compute waits only for the messages it reads.
-                        self._post_receives(position + 1, my_groups)
-                        self._await_messages(group[0])
-                        marks.append(clock.mark())
-                        self._compute(group[0])
-                marks.append(clock.mark())
-            for works in self._arriving.values():  # messages nothing read (eval: gradients)
-                for work in works:
-                    work.wait()
-            for work, _tensor in self._sends:  # sends completed in the background
-                work.wait()
-            self._sends = []
-            seconds = clock.seconds(marks)
-            spans = [(seconds[i + 1], seconds[i + 2]) for i in range(0, len(seconds), 3)]
-            waits = [seconds[i + 1] - seconds[i] for i in range(0, len(seconds), 3)]
+                if names is None:
+                    self._run_group(position, group, plans, clock, marks)
+                else:
+                    with record(names[position]):
+                        self._run_group(position, group, plans, clock, marks)
+            self.messages.end()
             with record(_SYNC):
-                loss = self._finish(spans, waits, train)
+                loss, self.timings = self.sync.finish(self._loss, clock.seconds(marks), train,
+                                                      inputs, self._scale)
             grads = self._grads
             if train and self.zero is not None:  # once per step, after the last backward
                 self.zero.reduce(grads, inputs)
             if self.zero is not None:
                 self.zero.end()
             if train:
-                for stage in self.stages.values():
-                    for index in stage.param_inputs:
-                        if index not in grads:
-                            grads[index] = torch.zeros_like(inputs[index])
+                for index in self._param_inputs:
+                    if index not in grads:
+                        grads[index] = torch.zeros_like(inputs[index])
                 with record(_EXCHANGE):
                     grads = exchange_and_sum(grads, self.layout.holders, self.layout.position,
                                              self.layout.global_ranks)
                 if self._scale != 1.0:
                     for grad in grads.values():
                         grad.mul_(self._scale)
+                # Bucket views stay referenced: autograd copies them out and frees the bucket.
+                addresses = [g.untyped_storage()._cdata for g in grads.values()]
+                self._grads = grads if len(set(addresses)) < len(addresses) else {}
+        self._saved, self._pending_w = {}, {}
         return loss, grads
 
-    def _finish(self, spans: list[tuple[float, float]], waits: list[float],
-                train: bool) -> torch.Tensor:
-        """All-gather loss shares and timings over the pipeline group; return the mean loss."""
-        groups = self.groups[train]
-        digest = self._batch_digest()
-        timing_width = 3 * max(len(g) for g in groups)
-        device = self._loss.device
-        mine = torch.zeros(1 + timing_width + digest.numel(), dtype=torch.float64,
-                           device=device)
-        mine[0] = self._loss
-        flat = torch.tensor([t for span, wait in zip(spans, waits, strict=True)
-                             for t in (*span, wait)], dtype=torch.float64)
-        mine[1:1 + flat.numel()] = flat.to(device)
-        mine[1 + timing_width:] = digest.to(device)
-        group = resolve_group(self.layout.group_name)
-        if group is None:
-            rows = [mine]
-        else:  # on the group's device (CUDA under NCCL), read on the host once
-            rows = [torch.empty_like(mine) for _ in range(group.size())]
-            dist.all_gather(rows, mine, group=group)
-        if PLANNING.simulated:  # fake tensors: no values to read; the plan has no timings
-            self.timings = None
-            return (sum(row[0] for row in rows) * self._scale).float()
-        rows = [row.cpu() for row in rows]
-        self.timings = StepTimings(
-            labels=tuple(tuple(group_label(g) for g in rank_groups) for rank_groups in groups),
-            times=tuple(tuple((float(row[1 + 3 * i]), float(row[2 + 3 * i]))
-                              for i in range(len(groups[r]))) for r, row in enumerate(rows)),
-            waits=tuple(tuple(float(row[3 + 3 * i]) for i in range(len(groups[r])))
-                        for r, row in enumerate(rows)),
-        )
-        self._check_same_batch([row[1 + timing_width:] for row in rows])
-        total = sum(float(row[0]) for row in rows)
-        return torch.tensor(total * self._scale, dtype=torch.float32)
-
-    def _batch_digest(self) -> torch.Tensor:
-        """Two position-weighted sums per batch input: equal on ranks given equal batches."""
-        parts = []
-        if PLANNING.simulated:
-            return torch.zeros(2 * len(self.layout.batch_inputs), dtype=torch.float64)
-        for index in sorted(self.layout.batch_inputs):
-            flat = self._inputs[index].detach().reshape(-1).double()
-            weights = torch.arange(flat.numel(), dtype=torch.float64) % 997 + 1
-            parts += [flat.sum(), (flat * weights.to(flat.device)).sum()]
-        return torch.stack(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
-
-    def _check_same_batch(self, digests: list[torch.Tensor]) -> None:
-        """Every rank of a pipeline must run the same batch; raise on all of them if not."""
-        odd = [i for i, d in enumerate(digests) if not torch.equal(d, digests[0])]
-        if odd:
-            ranks = self.layout.global_ranks
-            raise ValueError(
-                f"zeroc pipeline: the ranks of one pipeline were given different batches "
-                f"(rank {ranks[0]} and rank {ranks[odd[0]]} differ): every rank of a pipeline "
-                "must pass the same batch. Shard the data over the data-parallel dimension "
-                "only, e.g. DistributedSampler(dataset, num_replicas=zeroc.data_parallel_size("
-                "model), rank=zeroc.data_parallel_rank(model))")
-
-    def _normaliser(self, inputs: list[Any]) -> float:
-        """1 / the loss's denominator for this batch (every rank has the whole batch)."""
-        if self.layout.loss_kind == "micro_mean":
-            return 1.0 / self.layout.schedule.num_microbatches
-        if self.layout.loss_denominator is None or PLANNING.simulated:
-            return 1.0  # planning: the denominator's value does not exist (shapes are exact)
-        denominator = float(self.layout.loss_denominator(*inputs))
-        if denominator == 0:
-            raise ValueError("zeroc pipeline: the loss's denominator is 0 for this batch "
-                             "(every target is ignore_index)")
-        return 1.0 / denominator
+    def _run_group(self, position: int, group: tuple[Action, ...],
+                   plans: tuple[GroupPlan, ...], clock: StepClock, marks: list[Any]) -> None:
+        """Run one action group, appending its start, compute-start and end marks."""
+        plan = plans[position]
+        start = clock.mark()
+        marks.append(start)
+        if plan.p2p:
+            self.messages.exchange(position, plan)
+            marks.append(start)
+        else:
+            # Receives of the next p2p group are posted before this compute runs; this
+            # compute waits only for the messages it reads.
+            if plan.post_next:
+                self.messages.post(position + 1, plans[position + 1])
+            self.messages.await_inputs(plan)
+            marks.append(clock.mark())
+            self._compute(group[0])
+        marks.append(clock.mark())
 
     # -- compute --------------------------------------------------------------------------
 
@@ -353,7 +275,7 @@ class PipelineExecutor:
         for value in outs[len(program.out_keys):done]:
             self._loss += value.detach().double().sum()
         if self._train:
-            self._saved[(stage, microbatch)] = (list(outs[done:]), {})
+            self._saved[(stage, microbatch)] = list(outs[done:])
         if stage == self.last_stage:
             return
         message = {k: produced[k] if k in produced else received[k]
@@ -369,32 +291,30 @@ class PipelineExecutor:
     def _deliver(self, kind: str, stage: int, microbatch: int,
                  message: dict[str, torch.Tensor]) -> None:
         """Give ``message`` to ``stage`` (forward, ``kind="F"``; backward, ``"B"``)."""
-        rank = self.layout.schedule.rank_of(stage, microbatch)
-        inbox = self._inbox_f if kind == "F" else self._inbox_b
-        if rank == self.layout.position:
-            inbox[(stage, microbatch)] = message
-        else:
-            self._outbox[(kind, stage, microbatch)] = list(message.values())
+        local = self._rank_of[(stage, microbatch)] == self.layout.position
+        self.messages.deliver(kind, stage, microbatch, message, local)
 
     def backward_args(self, stage: int, microbatch: int) -> list[Any]:
         """The backward graph's arguments: saved tensors then tangents."""
         program = self.stages[stage]
-        saved, _ = self._saved.pop((stage, microbatch))
+        saved = self._saved.pop((stage, microbatch))
         grads_in = self._inbox_b.get((stage, microbatch), {})
         tangents = []
         for i in program.tangent_outputs:
             if i < len(program.out_keys):
                 tangents.append(grads_in[program.out_keys[i]])
             else:  # d(numerator): the step scales every gradient by 1 / denominator at the end
-                tangents.append(torch.ones((), dtype=torch.float32, device=self._device()))
+                tangents.append(torch.ones((), dtype=torch.float32, device=self._step_device))
         return saved + tangents
 
-    def backward_results(self, stage: int, microbatch: int, grads: tuple) -> None:
-        """Accumulate parameter gradients; send the input gradients upstream."""
+    def backward_results(self, stage: int, microbatch: int, grads: tuple,
+                         call: tuple[Any, ...] = ()) -> None:
+        """Accumulate parameter gradients; send the input gradients upstream. ``call``: the
+        graph's arguments and outputs (a gradient aliasing none of them is kept uncopied)."""
         program = self.stages[stage]
         n_params = len(program.param_inputs)
         if grads is not None:
-            self._accumulate(program, grads[:n_params])
+            self._accumulate(program, grads[:n_params], call)
         input_grads = grads[n_params + len(program.local_inputs):] if grads is not None else ()
         self._send_input_grads(stage, microbatch, input_grads)
 
@@ -411,26 +331,34 @@ class PipelineExecutor:
                 continue
             parts = [g for g in (own.get(key), downstream.get(key)) if g is not None]
             total = parts[0] if parts else torch.zeros(shape, dtype=dtype,
-                                                       device=self._device())
+                                                       device=self._step_device)
             for part in parts[1:]:
                 total = total + part
             message[key] = total
         self._deliver("B", stage - 1, microbatch, message)
 
-    def _accumulate(self, program: StageProgram, grads: tuple) -> None:
+    def _accumulate(self, program: StageProgram, grads: tuple, call: tuple[Any, ...]) -> None:
+        """Sum ``grads`` into the step's gradients. A micro-batch's first gradient is kept as
+        it is when it is the graph's own fresh tensor (no view, sharing storage with no other
+        argument or output of ``call``), else copied, since it is added to in place."""
+        storages = None
         for index, grad in zip(program.param_inputs, grads, strict=True):
             if grad is None:
                 continue
-            if index in self._grads:
-                self._grads[index].add_(grad)
-            else:
-                self._grads[index] = grad.clone()
+            held = self._grads.get(index)
+            if held is not None:
+                held.add_(grad)
+                continue
+            if storages is None:
+                storages = _storage_counts(call)
+            self._grads[index] = grad if _fresh(grad, storages) else grad.clone()
 
     def _backward(self, stage: int, microbatch: int, split: bool) -> None:
         program = self.stages[stage]
         args = self.backward_args(stage, microbatch)
         if not split:
-            self.backward_results(stage, microbatch, tuple(program.backward(*args)))
+            outs = tuple(program.backward(*args))
+            self.backward_results(stage, microbatch, outs, (*args, *outs))
             return
         outs = tuple(program.input_grad(*args))
         stash = list(outs[program.num_input_grads:])
@@ -440,8 +368,9 @@ class PipelineExecutor:
 
     def _weight(self, stage: int, microbatch: int) -> None:
         program = self.stages[stage]
-        grads = program.weight_grad(*self._pending_w.pop((stage, microbatch)))
-        self._accumulate(program, tuple(grads))
+        args = self._pending_w.pop((stage, microbatch))
+        grads = tuple(program.weight_grad(*args))
+        self._accumulate(program, grads, (*args, *grads))
 
     def _overlapped(self, action: Action, graph: Callable[..., Any]) -> None:
         f_args = self.forward_args(action.stage, action.microbatch)
@@ -449,76 +378,23 @@ class PipelineExecutor:
         outs = tuple(graph(*f_args, *b_args))
         n_fwd = graph.num_forward_outputs
         self.forward_results(action.stage, action.microbatch, outs[:n_fwd])
-        self.backward_results(action.b_stage, action.b_microbatch, outs[n_fwd:])
+        self.backward_results(action.b_stage, action.b_microbatch, outs[n_fwd:],
+                              (*f_args, *b_args, *outs))
 
-    # -- p2p ------------------------------------------------------------------------------
 
-    def _skipped(self, action: Action) -> bool:
-        return not self._train and action.kind in (ActionKind.SEND_B, ActionKind.RECV_B)
+def _storage_counts(values: tuple[Any, ...]) -> dict[int, int]:
+    """How many of ``values`` (tensors; others are skipped) use each storage (also fakes)."""
+    counts: dict[int, int] = {}
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.numel():
+            address = value.untyped_storage()._cdata
+            counts[address] = counts.get(address, 0) + 1
+    return counts
 
-    def _post_receives(self, position: int, groups: list[tuple[Action, ...]]) -> None:
-        """Post the receives of p2p group ``position`` now (if it is one, and not yet)."""
-        if position < len(groups) and groups[position][0].is_p2p:
-            self._post_group(position, groups[position])
 
-    def _post_group(self, position: int, group: tuple[Action, ...]) -> None:
-        if position in self._posted:
-            return
-        ranks = self.layout.global_ranks
-        posted = []
-        for action in group:
-            if action.kind not in (ActionKind.RECV_F, ActionKind.RECV_B) or self._skipped(action):
-                continue
-            forward = action.kind is ActionKind.RECV_F
-            keys = list(self.layout.messages[action.stage - 1] if forward
-                        else self._grad_keys(action.stage))
-            device = self._device()
-            tensors = [torch.empty(self.layout.values[k][0], dtype=self.layout.values[k][1],
-                                   device=device) for k in keys]
-            works = post_receives(tensors, ranks[action.peer])
-            inbox = self._inbox_f if forward else self._inbox_b
-            posted.append((inbox, (action.stage, action.microbatch), keys, tensors, works))
-        self._posted[position] = posted
-
-    def _device(self) -> torch.device:
-        """The step's device: its inputs' (the group's device for p2p and collectives)."""
-        return self._step_device
-
-    def _p2p(self, position: int, group: tuple[Action, ...]) -> None:
-        """Post this group's sends (waited at the end of the step) and wait for its receives,
-        posted here or before the previous compute."""
-        ranks = self.layout.global_ranks
-        for action in group:
-            if self._skipped(action):
-                continue
-            if action.kind is ActionKind.SEND_F:
-                tensors = self._outbox.pop(("F", action.stage + 1, action.microbatch))
-            elif action.kind is ActionKind.SEND_B:
-                tensors = self._outbox.pop(("B", action.stage - 1, action.microbatch))
-            else:
-                continue
-            tensors = [t.contiguous() for t in tensors]
-            self._sends.extend(zip(post_sends(tensors, ranks[action.peer]), tensors,
-                                   strict=True))
-        self._post_group(position, group)
-        # The values land in the inboxes now; a compute that reads one waits for it first.
-        for inbox, key, names, tensors, works in self._posted.pop(position, []):
-            inbox[key] = dict(zip(names, tensors, strict=True))
-            if works:
-                self._arriving[("F" if inbox is self._inbox_f else "B", *key)] = works
-
-    def _await_messages(self, action: Action) -> None:
-        """Wait for the receives ``action`` reads: its forward input, its output gradients."""
-        for part in action.parts():
-            if part.kind is ActionKind.F:
-                needed = ("F", part.stage, part.microbatch)
-            elif part.kind in (ActionKind.B, ActionKind.I):
-                needed = ("B", part.stage, part.microbatch)
-            else:
-                continue
-            for work in self._arriving.pop(needed, ()):
-                work.wait()
-
-    def _grad_keys(self, stage: int) -> list[str]:
-        """Keys of the backward message that ``stage`` receives (gradients of its outputs)."""
-        return [k for k in self.layout.messages[stage] if self.layout.values[k][2]]
+def _fresh(grad: torch.Tensor, storages: dict[int, int]) -> bool:
+    """Whether ``grad`` owns its storage: no view, the storage exactly its size, and no other
+    value of its call shares it."""
+    storage = grad.untyped_storage()
+    return (grad._base is None and storage.nbytes() == grad.numel() * grad.element_size()
+            and storages.get(storage._cdata, 0) == 1)

@@ -208,6 +208,10 @@ class StepZero:
         ranks = first.ranks()
         dp = group_size(first.group_name) if first.group_name else 1
         group = resolve_group(first.group_name) if first.group_name else None
+        if ranks == 1 and dp == 1:  # one data-parallel rank: the sum is the gradient itself
+            for param, grad in bucket:
+                yield param, grad[:param.numel]
+            return
         if ranks == 1:  # whole parameters: all-reduce the concatenation
             packed = torch.cat([g for _, g in bucket])
             if group is not None and dp > 1:
