@@ -15,6 +15,7 @@ import os
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from zeroc.codegen import autotune
 from zeroc.codegen.compile_cache import load_kernel, source_hash
@@ -60,8 +61,6 @@ def choose_backend(kernels: str, device: torch.device) -> str:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
@@ -114,11 +113,14 @@ class FusedKernel:
         """The group's outputs computed by its original aten ops."""
         result = self.aten_graph(*inputs)
         outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+        # A kernel's outputs are fresh tensors: an output that is an input or shares an
+        # input's storage is cloned (the storages are read once per call, not per pair).
+        given = {id(t) for t in inputs}
+        storages = {t.untyped_storage().data_ptr() for t in inputs if not _is_fake(t)}
         fresh = []
         for out in outputs:
-            if any(out is t or (not _is_fake(out) and not _is_fake(t)
-                                and out.untyped_storage().data_ptr()
-                                == t.untyped_storage().data_ptr()) for t in inputs):
+            if id(out) in given or (storages and not _is_fake(out)
+                                    and out.untyped_storage().data_ptr() in storages):
                 out = out.clone(memory_format=torch.contiguous_format)
             fresh.append(out.contiguous())
         return fresh
