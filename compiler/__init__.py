@@ -9,16 +9,35 @@ that ``import zeroc.runtime`` (which runs this file first) stays light.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
-from zeroc.calibrate import calibrate
-from zeroc.explain import explain
-from zeroc.log_setup import register_logging
-from zeroc.parallelize import parallelize
-from zeroc.state_dict import full_state_dict, load_full_state_dict
-from zeroc.tune import tune
+
+def _interrupted_while_importing(signum: int, frame: Any) -> None:
+    sys.stderr.write("python -m zeroc: interrupted\n")
+    os._exit(130)
+
+
+# ``python -m zeroc ...`` imports this package (and torch: seconds) before its __main__ can
+# catch anything: a Ctrl-C meanwhile ends with one line and exit 130 instead of a traceback.
+# Python sets sys.argv[0] to "-m" only while it locates the module it runs.
+_PREVIOUS_SIGINT = None
+if sys.argv[:1] == ["-m"] and threading.current_thread() is threading.main_thread():
+    _PREVIOUS_SIGINT = signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+from zeroc.calibrate import calibrate  # noqa: E402
+from zeroc.explain import explain  # noqa: E402
+from zeroc.log_setup import register_logging  # noqa: E402
+from zeroc.parallelize import parallelize  # noqa: E402
+from zeroc.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
+from zeroc.tune import tune  # noqa: E402
 
 register_logging()  # TORCH_LOGS="zeroc" / "+zeroc" turns zeroc's loggers on
+if _PREVIOUS_SIGINT is not None:
+    signal.signal(signal.SIGINT, _PREVIOUS_SIGINT)
 
 if TYPE_CHECKING:
     from zeroc.config import Config

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -155,6 +156,25 @@ def test_ctrl_c_stops_every_rank_with_one_line() -> None:
     assert "Traceback" not in err, err[-3000:]
     assert [line for line in err.splitlines() if "interrupted" in line] == [
         "zeroc demo: interrupted; stopped 2 ranks"], err[-3000:]
+
+
+def test_ctrl_c_while_python_imports_zeroc_is_one_line() -> None:
+    """``python -m zeroc`` spends its first seconds importing the package (and torch), before
+    any command's handler exists: a Ctrl-C then also ends with one line and exit 130."""
+    process = subprocess.Popen([sys.executable, "-m", "zeroc", "demo", *TINY],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=ROOT, env=_env())
+    try:
+        time.sleep(0.3)  # importing torch takes seconds: the signal lands inside the import
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
+    assert "interrupted" in err, err[-3000:]
 
 
 
