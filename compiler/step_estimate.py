@@ -198,8 +198,9 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
         compute_per_position = [timeline.makespan] * pp
         bubble = max(timeline.bubble_ratio(r) for r in range(info.num_ranks))
         kinds_per_position = [_kinds_of(timeline, r) for r in range(info.num_ranks)]
-    steps, exposed_max, optimizer_max = [], 0.0, 0.0
-    exposed_per_position, optimizer_per_position = [], []
+    steps: list[float] = []
+    exposed_per_position: list[float] = []
+    optimizer_per_position: list[float] = []
     for position, plan in enumerate(plans):
         compute = compute_per_position[position]
         exposed = in_graphs + _step_collectives_s(plan, dp, profile, inter_node)
@@ -208,7 +209,6 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
         steps.append(compute + exposed + optimizer)
         exposed_per_position.append(exposed)
         optimizer_per_position.append(optimizer)
-        exposed_max, optimizer_max = max(exposed_max, exposed), max(optimizer_max, optimizer)
     slowest = max(range(pp), key=lambda p: steps[p])
     kinds = dict(kinds_per_position[min(slowest, len(kinds_per_position) - 1)])
     if p2p:  # each cross-rank edge of the simulation waited this long
@@ -217,6 +217,7 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
     kinds["optimizer"] = optimizer_per_position[slowest]
     return StepEstimate(hardware=profile.name, dtype=dtype, step_s=steps[slowest],
                         compute_s=compute_per_position[slowest],
-                        exposed_communication_s=exposed_max, optimizer_s=optimizer_max,
+                        exposed_communication_s=max(exposed_per_position),
+                        optimizer_s=max(optimizer_per_position),
                         bubble=bubble, graphs=tuple(graph_s.items()),
                         kinds=tuple(kinds.items()))

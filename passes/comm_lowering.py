@@ -9,7 +9,7 @@ Placement is a lock-step replay: in rounds, every rank places its next compute a
 the data it needs is on the rank; placing it appends its sends to its own list and the
 matching receives to the consumers' lists at that same moment. All p2p pairs therefore sit
 in one global order that every rank's list follows, which is why the result cannot deadlock
-when each maximal run of p2p actions (a group, see ``p2p_groups``) is posted as one batch of
+when each maximal run of p2p actions (a group: ``p2p_groups``) is posted as one batch of
 isend/irecv and waited on: by induction over that order, when the first unfinished pair is
 reached, everything before it on both ranks has finished, so both ranks post it. The same
 order makes the sends on each (source, destination) channel match the receives one for one,
@@ -28,6 +28,7 @@ from zeroc.runtime.actions import (
     Schedule,
     data_inputs,
     data_output,
+    p2p_groups,  # the executor groups its actions the same way
 )
 
 
@@ -95,18 +96,6 @@ def lower_communication(schedule: Schedule) -> Schedule:
             stuck = ", ".join(f"rank {r}: {q[0]}" for r, q in enumerate(pending) if q)
             raise ValueError(f"schedule {schedule.name} cannot make progress at {stuck}")
     return schedule.replace_actions(tuple(tuple(rank_actions) for rank_actions in lowered))
-
-
-def p2p_groups(rank_actions: tuple[Action, ...]) -> tuple[tuple[Action, ...], ...]:
-    """Split one rank's actions into groups: each maximal run of p2p actions is one group
-    (posted together, then waited on); every other action is a group of its own."""
-    groups: list[list[Action]] = []
-    for action in rank_actions:
-        if action.is_p2p and groups and groups[-1][0].is_p2p:
-            groups[-1].append(action)
-        else:
-            groups.append([action])
-    return tuple(tuple(g) for g in groups)
 
 
 def _channel_message(action: Action, rank: int) -> tuple[int, int, DataKey]:

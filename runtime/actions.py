@@ -328,3 +328,15 @@ def check_compute_schedule(schedule: Schedule) -> None:
             first_backward = full if full is not None else inp
             if first_backward < fwd or (wgt is not None and wgt < inp):
                 raise ValueError(f"stage {stage} micro-batch {mb}: backward runs before its input")
+
+
+def p2p_groups(rank_actions: tuple[Action, ...]) -> tuple[tuple[Action, ...], ...]:
+    """Split one rank's actions into groups: each maximal run of p2p actions is one group
+    (posted together, then waited on); every other action is a group of its own."""
+    groups: list[list[Action]] = []
+    for action in rank_actions:
+        if action.is_p2p and groups and groups[-1][0].is_p2p:
+            groups[-1].append(action)
+        else:
+            groups.append([action])
+    return tuple(tuple(g) for g in groups)

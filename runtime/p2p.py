@@ -1,7 +1,7 @@
 """Point-to-point transfers of a pipeline step: batched isend/irecv and gradient exchange.
 
 The executor posts the receives of a p2p group of the lowered schedule
-(``zeroc.passes.comm_lowering.p2p_groups``) before the compute that precedes the group, posts
+(``zeroc.runtime.actions.p2p_groups``) before the compute that precedes the group, posts
 the group's sends when it reaches it and waits for them only at the end of the step, and waits
 for a receive only right before the compute that reads its value. Every wait is
 at or after the point where the lowering's deadlock-free order (one batch per group, waited

@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from zeroc.runtime.actions import Action, ActionKind, Schedule
+from zeroc.runtime.actions import Action, ActionKind, Schedule, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
-from zeroc.runtime.pipeline_sync import StepSync, StepTimings, action_groups, group_label
+from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.step_clock import StepClock
@@ -121,7 +121,7 @@ class PipelineExecutor:
         self.zero = StepZero(layout.hoisted, {s: p.param_inputs for s, p in stages.items()},
                              layout.bucket_mb) if layout.hoisted else None
         self.groups = {
-            train: [action_groups(rank_actions) for rank_actions in schedule.actions]
+            train: [p2p_groups(rank_actions) for rank_actions in schedule.actions]
             for train, schedule in ((True, layout.schedule), (False, layout.forward_schedule))
         }
         # Made once (module docstring): profiler names, message plans, the closing all-gather.

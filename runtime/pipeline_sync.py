@@ -26,7 +26,7 @@ from zeroc.runtime.actions import Action
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.planning_state import PLANNING
 
-__all__ = ["StepSync", "StepTimings", "action_groups", "group_label"]
+__all__ = ["StepSync", "StepTimings", "group_label"]
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +39,6 @@ class StepTimings:
     times: tuple[tuple[tuple[float, float], ...], ...]
     # Seconds each group waited, before it started, for receives it needed (per rank).
     waits: tuple[tuple[float, ...], ...] = ()
-
-
-def action_groups(actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
-    """One rank's actions grouped: each run of p2p actions together, every other alone."""
-    groups: list[list[Action]] = []
-    for action in actions:
-        if action.is_p2p and groups and groups[-1][0].is_p2p:
-            groups[-1].append(action)
-        else:
-            groups.append([action])
-    return [tuple(g) for g in groups]
 
 
 def group_label(group: tuple[Action, ...]) -> str:

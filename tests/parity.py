@@ -5,6 +5,8 @@ Used by every test that compares a zeroc run with single-process eager PyTorch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 RTOL = 1e-5
@@ -15,6 +17,20 @@ BATCH_SIZE = 4
 # computed gradient is rounding noise of ~1e-10; Adam's default eps=1e-8 would scale that noise
 # into updates of ~lr/100 that differ in sign between any two correct implementations.
 ADAM = {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}
+
+
+def train_losses(model: torch.nn.Module, run: Any, batches: Any) -> list[float]:
+    """Train ``model`` with AdamW(``ADAM``), one step per ``(inputs, targets)`` batch, calling
+    ``run`` (the model itself, or its compiled form) for the loss; every step's loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+    losses = []
+    for inputs, targets in batches:
+        loss = run(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def assert_tensors_match(

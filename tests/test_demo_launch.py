@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -134,6 +135,18 @@ def test_torchrun_runs_one_demo_on_its_world() -> None:
     assert "world 2" in out
 
 
+def _interrupt(process: subprocess.Popen, send: Any) -> str:
+    """``send()`` the interrupt, wait for ``process`` (killing it if it hangs); its stderr."""
+    try:
+        send()
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_every_rank_with_one_line() -> None:
@@ -143,15 +156,9 @@ def test_ctrl_c_stops_every_rank_with_one_line() -> None:
         [sys.executable, "-m", "zeroc", "demo", "--nproc", "2", *TINY, "--steps", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
         start_new_session=True)
-    try:
-        first = process.stdout.readline()  # rank 0 is up: the ranks are running
-        assert first.startswith("zeroc demo: GPT"), first
-        os.killpg(process.pid, signal.SIGINT)
-        out, err = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    first = process.stdout.readline()  # rank 0 is up: the ranks are running
+    assert first.startswith("zeroc demo: GPT"), first
+    err = _interrupt(process, lambda: os.killpg(process.pid, signal.SIGINT))
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert [line for line in err.splitlines() if "interrupted" in line] == [
@@ -164,14 +171,8 @@ def test_ctrl_c_while_python_imports_zeroc_is_one_line() -> None:
     process = subprocess.Popen([sys.executable, "-m", "zeroc", "demo", *TINY],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=ROOT, env=_env())
-    try:
-        time.sleep(0.3)  # importing torch takes seconds: the signal lands inside the import
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    time.sleep(0.3)  # importing torch takes seconds: the signal lands inside the import
+    err = _interrupt(process, lambda: process.send_signal(signal.SIGINT))
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
     assert "interrupted" in err, err[-3000:]

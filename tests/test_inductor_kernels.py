@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
-from parity import ADAM, assert_tensors_match
+from parity import ADAM, assert_tensors_match, train_losses
 from test_zero_compiled import check_parity, train_compiled
 from test_zoo_parity import ZOO, grads, params
 from torch.testing import FileCheck
@@ -138,15 +138,7 @@ def _pipeline_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(model: torch.nn.Module, run) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
-    losses = []
-    for tokens, targets in _pipeline_batches():
-        loss = run(tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, run, _pipeline_batches())
 
 
 def _placement(record) -> dict:

@@ -32,7 +32,7 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TESTS_DIR)
 
 from models.gpt import GPT, GPTConfig  # noqa: E402  (the zoo lives in tests/)
-from parity import ADAM, RTOL  # noqa: E402
+from parity import ADAM, RTOL, train_losses  # noqa: E402
 
 PP = 2
 GLOBAL_BATCH = 8
@@ -51,15 +51,7 @@ def global_batches(steps: int, cfg: GPTConfig) -> list[tuple[torch.Tensor, torch
 
 def eager_losses(model: torch.nn.Module, batches: list) -> list[float]:
     """Plain single-process training of ``model`` on the global batches."""
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, model, batches)
 
 
 def parameter_diffs(eager: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> dict:
