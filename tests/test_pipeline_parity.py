@@ -76,6 +76,12 @@ def train_cases(rank: int, world: int, pp: int, zero: int, cases, extras: bool):
         out = {"losses": losses, "state": full_state_dict(model),
                "fused_loss": [dict(r.stats) for r in zeroc.explain(compiled).passes
                               if r.pass_name == "fuse_linear_cross_entropy"]}
+        # A backward graph that recomputes attention's forward and drops the result is work
+        # thrown away (seeded ops that draw nothing must still be dead-code eliminated).
+        plan = zeroc.explain(compiled)
+        out["attention_in_backward"] = sum(
+            plan.graph(g.name).code.count("_scaled_dot_product_flash_attention_for_cpu.default(")
+            for g in plan.graphs if not g.name.endswith(".forward"))
         if extras:
             plan = zeroc.explain(compiled)
             out["plan"] = str(plan)
@@ -111,6 +117,7 @@ def check(cases, results, world: int, pp: int) -> None:
         assert_tensors_match(state, per_rank[0]["state"], f"{kind} {schedule} parameters")
         # Every rank rewrote the head + loss (the last stage runs zeroc::linear_cross_entropy).
         assert all(r["fused_loss"] == [{"rewritten": "1"}] for r in per_rank), (kind, schedule)
+        assert [r["attention_in_backward"] for r in per_rank] == [0] * world, (kind, schedule)
 
 
 # Every schedule on GPT and Llama at pp=2; at pp=4 (8 layers: dualpipev's 2P stages) every
