@@ -52,7 +52,11 @@ from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 from zeroc.launch import run_ranks  # noqa: E402
 
 CONFIGS = ("zeroc_dualpipev", "torch_dualpipev", "zeroc_1f1b", "torch_1f1b")
-PAIRS = (("zeroc_dualpipev", "torch_dualpipev"), ("zeroc_1f1b", "torch_1f1b"))
+# Ablations, run only when named in --configs: zeroc with blocking p2p (every receive and send
+# of a p2p group waited right there, as batch_isend_irecv followed by wait() would).
+ABLATIONS = ("zeroc-blocking_dualpipev", "zeroc-blocking_1f1b")
+PAIRS = (("zeroc_dualpipev", "torch_dualpipev"), ("zeroc_1f1b", "torch_1f1b"),
+         ("zeroc_dualpipev", "zeroc-blocking_dualpipev"), ("zeroc_1f1b", "zeroc-blocking_1f1b"))
 KINDS = ("F", "B", "I", "W", "F&B", "p2p", "gaps", "outside")
 
 
@@ -159,6 +163,26 @@ def build_zeroc(schedule: str, setup: Setup, world: int):
     return model, compiled, step
 
 
+def block_on_p2p() -> None:
+    """Make this rank's zeroc pipeline wait for every message of a p2p group at the group
+    itself (its receives and its sends), instead of right before the compute that reads a
+    received value: the blocking executor the ``zeroc-blocking_*`` ablations measure."""
+    from zeroc.runtime.pipeline_messages import StepMessages
+
+    overlapped = StepMessages.exchange
+
+    def exchange(self, position, plan):
+        overlapped(self, position, plan)
+        for works in self._arriving.values():
+            for work in works:
+                work.wait()
+        for work, _tensor in self._sends:
+            work.wait()
+        self._arriving, self._sends = {}, []
+
+    StepMessages.exchange = exchange
+
+
 def action_kind(label: str) -> str:
     """``F3@s1`` -> F, ``F4@s0&B0@s7`` -> F&B, ``SEND_F3@s1->r2 ...`` -> p2p."""
     if "&" in label:
@@ -211,7 +235,9 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
     system, schedule = config.split("_", 1)
     torch._dynamo.reset()
     compiled = None
-    if system == "zeroc":
+    if system.startswith("zeroc"):
+        if system == "zeroc-blocking":
+            block_on_p2p()
         model, compiled, step = build_zeroc(schedule, setup, world)
     else:
         model, step = build_torch(schedule, setup, rank, world)
@@ -387,7 +413,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3, help="discarded steps before them")
     parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated subset of {list(CONFIGS)}")
+                        help=f"comma-separated subset of {list(CONFIGS + ABLATIONS)}")
     parser.add_argument("--world", type=int, default=4, help="gloo ranks = pipeline ranks")
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--repeats", type=int, default=3,
@@ -404,9 +430,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps={args.steps}, --warmup={args.warmup} and --repeats="
                      f"{args.repeats} must be >= 1")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in args.configs if c not in CONFIGS]
+    unknown = [c for c in args.configs if c not in CONFIGS + ABLATIONS]
     if unknown or not args.configs:
-        parser.error(f"--configs: {unknown or 'empty'} not allowed; allowed are {list(CONFIGS)}")
+        parser.error(f"--configs: {unknown or 'empty'} not allowed; allowed are "
+                     f"{list(CONFIGS + ABLATIONS)}")
     if args.world < 2 or args.n_layer % (2 * args.world):
         parser.error(f"--world={args.world} must be >= 2 and --n-layer={args.n_layer} a "
                      f"multiple of 2 * world (dualpipev's stages)")
