@@ -11,6 +11,7 @@ records, each call runs inside ``record_function("zeroc/<kernel name>")``.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 
 import torch
@@ -64,6 +65,33 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor) or t.device.type == "meta"
 
 
+def _may_alias_an_input(node: object) -> bool:
+    """Whether the graph value ``node`` may share storage with a graph input: it is one, or a
+    view of one (an op whose schema says its result aliases an argument). Anything that is
+    not an aten op is assumed to alias."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function":
+        return True
+    if node.target is operator.getitem:
+        return _may_alias_an_input(node.args[0])
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    if all(r.alias_info is None for r in node.target._schema.returns):
+        return False  # a fresh result, whatever it reads
+    return any(_may_alias_an_input(arg) for arg in node.all_input_nodes)
+
+
+def aliasing_outputs(graph: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Indices of ``graph``'s outputs that may share storage with one of its inputs."""
+    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    values = output.args[0]
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return tuple(i for i, value in enumerate(values) if _may_alias_an_input(value))
+
+
 class FusedKernel:
     """A fused group: ``kernel(*inputs)`` returns its outputs (tuple when several).
 
@@ -80,6 +108,10 @@ class FusedKernel:
         self.source = source
         self.source_hash = source_hash(source)
         self.aten_graph = aten_graph
+        # The generated function itself: nn.Module's call machinery costs more per call than
+        # the group's small aten ops on CPU, and a kernel has no hooks to run.
+        self._run_graph = aten_graph.forward
+        self._aliasing = aliasing_outputs(aten_graph)
         self.backend = backend
         self.cache_dir = cache_dir
         self.__name__ = ir.name
@@ -111,19 +143,20 @@ class FusedKernel:
 
     def run_aten(self, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """The group's outputs computed by its original aten ops."""
-        result = self.aten_graph(*inputs)
+        result = self._run_graph(*inputs)
         outputs = list(result) if isinstance(result, (tuple, list)) else [result]
         # A kernel's outputs are fresh tensors: an output that is an input or shares an
-        # input's storage is cloned (the storages are read once per call, not per pair).
-        given = {id(t) for t in inputs}
-        storages = {t.untyped_storage().data_ptr() for t in inputs if not _is_fake(t)}
-        fresh = []
-        for out in outputs:
-            if id(out) in given or (storages and not _is_fake(out)
-                                    and out.untyped_storage().data_ptr() in storages):
-                out = out.clone(memory_format=torch.contiguous_format)
-            fresh.append(out.contiguous())
-        return fresh
+        # input's storage is cloned. Only outputs that the graph can make as views of its
+        # inputs are checked (``aliasing_outputs``), the inputs' storages read once per call.
+        if self._aliasing:
+            given = {id(t) for t in inputs}
+            storages = {t.untyped_storage().data_ptr() for t in inputs if not _is_fake(t)}
+            for index in self._aliasing:
+                out = outputs[index]
+                if id(out) in given or (storages and not _is_fake(out)
+                                        and out.untyped_storage().data_ptr() in storages):
+                    outputs[index] = out.clone(memory_format=torch.contiguous_format)
+        return [out.contiguous() for out in outputs]
 
     def launch(self, inputs: tuple[torch.Tensor, ...],
                config: autotune.LaunchConfig | None = None) -> list[torch.Tensor]:

@@ -280,3 +280,18 @@ def test_fusion_off_keeps_layer_norm_and_gelu_whole(monkeypatch, tmp_path):
     assert ops["g0.backward"].count("aten.gelu_backward.default") == 1
     pieces = {"aten.var_mean.correction", "aten.erf.default", "aten.rsqrt.default"}
     assert not pieces & {op for graph in ops.values() for op in graph}
+
+
+def test_outputs_that_may_alias_an_input_are_found_statically():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zeroc.codegen.fused_kernel import aliasing_outputs
+
+    def group(x, y):
+        # a view of an input, a fresh value, a view of a fresh value, a view of a view of an
+        # input, and a fresh output of a multi-output op
+        mean = torch.ops.aten.native_layer_norm.default(x, [4], None, None, 1e-5)[1]
+        return x.view(-1), x + 1, (y * 2).t(), y.t().unsqueeze(0), mean
+
+    gm = make_fx(group)(torch.randn(2, 4), torch.randn(4, 3))
+    assert aliasing_outputs(gm) == (0, 3)
