@@ -17,6 +17,7 @@ from zeroc.runtime.errors import OptionError
 MODES = ("default", "max-autotune")
 KERNEL_BACKENDS = ("auto", "triton", "aten", "inductor")
 PARTITIONERS = ("min_cut", "default")
+ACTIVATION_RECOMPUTE = ("auto", True, False)
 # The pipeline schedules of zeroc.passes.schedule (kept here so the config stays import-light).
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 
@@ -35,6 +36,12 @@ class Config:
         row chunks with ``zeroc::linear_cross_entropy``, never materializing the logits.
     partitioner: "min_cut" (recompute cheap ops, save less) or "default" (save what the
         forward computed) for splitting the joint graph into forward and backward.
+    activation_recompute: with ``partitioner="min_cut"``, whether the backward recomputes
+        cheap ops (GELU/SiLU-like activations, layer norms) whose inputs it keeps anyway
+        instead of saving their outputs. ``"auto"`` (default): where a recomputed op fuses
+        into the backward's kernels (Inductor, zeroc's Triton), not on the aten path (CPU by
+        default), where each recomputed op is one more pass over its tensor; ``True`` /
+        ``False``: always / never.
     kernel_autotune: for zeroc's own Triton kernels on a GPU: ``False`` (default) launches
         one default block configuration, untimed; ``True`` (set by mode="max-autotune") times
         the candidates at a kernel's first launch and persists the winner under
@@ -77,6 +84,7 @@ class Config:
     fusion: bool = True
     fused_loss: bool = True
     partitioner: str = "min_cut"
+    activation_recompute: str | bool = "auto"
     kernel_autotune: bool = False
     record_graphs: bool = False
     cache_dir: str = "~/.cache/zeroc"
@@ -142,6 +150,11 @@ def _check(key: str, value: Any) -> Any:
             raise OptionError(
                 f"zeroc: option {key}={value!r} is not allowed; allowed: {list(choices[key])}"
             )
+        return value
+    if key == "activation_recompute":
+        if not (value is True or value is False or value == "auto"):
+            raise OptionError(f"zeroc: option activation_recompute={value!r} is not allowed; "
+                              "allowed: 'auto', True, False")
         return value
     if key in ("fusion", "fused_loss", "kernel_autotune", "record_graphs", "pp_reshard"):
         if not isinstance(value, bool):

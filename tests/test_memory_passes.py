@@ -264,7 +264,8 @@ def test_cheap_ops_are_recomputed_not_saved() -> None:
         batch = eager.example_batch(batch_size=4, seed=1)
         expected, _ = _train(eager, batch, compiled=False)
         losses, run = _train(model, batch, compiled=True,
-                             options={"partitioner": partitioner, "fused_loss": False})
+                             options={"partitioner": partitioner, "fused_loss": False,
+                                      "activation_recompute": True})
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5,
                                    atol=1e-6)
         plan = zeroc.explain(run)
