@@ -122,8 +122,15 @@ def check(cases, results, world: int, pp: int) -> None:
 
 # Every schedule on GPT and Llama at pp=2; at pp=4 (8 layers: dualpipev's 2P stages) every
 # schedule once, the models alternating (the 4-rank cases are the suite's slowest).
-CASES_PP2 = [(kind, 4, schedule) for kind in ("gpt", "llama") for schedule in SCHEDULES]
-CASES_PP4 = [(("gpt", "llama")[i % 2], 8, schedule) for i, schedule in enumerate(SCHEDULES)]
+def _layers(schedule: str, pp: int) -> int:
+    """One block per stage: dualpipev runs 2 * pp stages, the others pp."""
+    return 2 * pp if schedule == "dualpipev" else pp
+
+
+CASES_PP2 = [(kind, _layers(schedule, 2), schedule) for kind in ("gpt", "llama")
+             for schedule in SCHEDULES]
+CASES_PP4 = [(("gpt", "llama")[i % 2], _layers(schedule, 4), schedule)
+             for i, schedule in enumerate(SCHEDULES)]
 
 
 @pytest.mark.slow
