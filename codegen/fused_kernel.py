@@ -71,9 +71,7 @@ def _may_alias_an_input(node: object) -> bool:
     not an aten op is assumed to alias."""
     if not isinstance(node, torch.fx.Node):
         return False
-    if node.op == "placeholder":
-        return True
-    if node.op != "call_function":
+    if node.op != "call_function":  # a placeholder is an input; anything else may alias
         return True
     if node.target is operator.getitem:
         return _may_alias_an_input(node.args[0])

@@ -4,8 +4,8 @@
 that removing one cannot shift the random numbers later ops draw. Attention ops carry that tag
 for their dropout; called with ``dropout_p=0`` they draw nothing, and an unread one is only
 wasted work. AOTAutograd's partitioners copy such calls into backward graphs whose results
-nothing reads (a pipeline stage's backward recomputed every block's flash attention forward
-this way: a third of the attention time per step), so this pass also removes unread seeded ops
+nothing reads (a pipeline stage's backward re-ran every block's flash attention forward this
+way, doubling the attention forward time per step), so this pass also removes unread seeded ops
 whose schema's ``dropout_p`` is 0. An op that draws random numbers stays.
 """
 
