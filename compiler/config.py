@@ -34,6 +34,10 @@ class Config:
     fusion: fuse pointwise chains and last-dimension reductions into kernels.
     fused_loss: compute a linear layer followed by cross-entropy (a language-model head) in
         row chunks with ``zeroc::linear_cross_entropy``, never materializing the logits.
+        ``"auto"`` (default): on CUDA (its one-pass Triton chunk kernel), and elsewhere only
+        where the logits are large (``rows x vocab x 4`` bytes at least 1/64 of the device's
+        memory), since on the CPU the chunked op costs time (about 6% of a small GPT's step)
+        and saves memory that is not short; ``True`` / ``False``: always / never.
     partitioner: "min_cut" (recompute cheap ops, save less) or "default" (save what the
         forward computed) for splitting the joint graph into forward and backward.
     activation_recompute: with ``partitioner="min_cut"``, whether the backward recomputes
@@ -82,7 +86,7 @@ class Config:
     mode: str = "default"
     kernels: str = "auto"
     fusion: bool = True
-    fused_loss: bool = True
+    fused_loss: str | bool = "auto"
     partitioner: str = "min_cut"
     activation_recompute: str | bool = "auto"
     kernel_autotune: bool = False
@@ -151,12 +155,12 @@ def _check(key: str, value: Any) -> Any:
                 f"zeroc: option {key}={value!r} is not allowed; allowed: {list(choices[key])}"
             )
         return value
-    if key == "activation_recompute":
+    if key in ("activation_recompute", "fused_loss"):
         if not (value is True or value is False or value == "auto"):
-            raise OptionError(f"zeroc: option activation_recompute={value!r} is not allowed; "
+            raise OptionError(f"zeroc: option {key}={value!r} is not allowed; "
                               "allowed: 'auto', True, False")
         return value
-    if key in ("fusion", "fused_loss", "kernel_autotune", "record_graphs", "pp_reshard"):
+    if key in ("fusion", "kernel_autotune", "record_graphs", "pp_reshard"):
         if not isinstance(value, bool):
             raise OptionError(f"zeroc: option {key}={value!r} must be True or False")
         return value

@@ -20,7 +20,12 @@ A match must be exact, or the graph is left as it is and the reason is counted i
   the op then upcasts the logits to float32 for the loss, as autocast runs ``cross_entropy``
   in float32. Autocast on another device type is ignored, as eager ignores it.
 
-Option ``fused_loss=False`` turns the pass off.
+Option ``fused_loss``: ``True`` rewrites every match, ``False`` none. ``"auto"`` (default)
+rewrites every match on CUDA, where the op runs its one-pass Triton chunk kernel; elsewhere
+(the CPU, where each chunk takes several aten passes and the step is about 6% longer) only a
+match whose logits are large, ``rows x vocab x 4`` bytes at least 1/64 of the device's
+memory (``LARGE_LOGITS_FRACTION``): the memory saved then matters, and the time cost is what
+buys it. The pass's stats name each match it left for being small.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.hardware import device_memory_bytes
+from zeroc.runtime.plan_format import human_bytes
 
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 _RESHAPE_METHODS = {"view", "reshape", "flatten"}
@@ -44,6 +51,20 @@ _RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
 _AUTOCAST_ENTER = {torch.amp.autocast_mode._enter_autocast}
 _AUTOCAST_EXIT = {torch.amp.autocast_mode._exit_autocast}
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
+# fused_loss="auto" off CUDA: logits at least this fraction of the device's memory are fused.
+LARGE_LOGITS_FRACTION = 1 / 64
+
+
+def _small_logits(setting: object, device: torch.device, logits: torch.Tensor) -> str | None:
+    """Why ``fused_loss="auto"`` leaves a match of ``logits`` unfused; None: fuse it."""
+    if setting != "auto" or device.type == "cuda":
+        return None
+    nbytes = logits.numel() * 4  # the float32 logits the loss reads (and their gradient)
+    limit = device_memory_bytes(device) * LARGE_LOGITS_FRACTION
+    if nbytes >= limit:
+        return None
+    return (f"fused_loss='auto': logits of {human_bytes(nbytes)} are under 1/64 of the "
+            f"{device.type} memory")
 
 
 def _value(node: Any) -> Any:
@@ -128,7 +149,8 @@ def _skip_reason(ce: torch.fx.Node) -> tuple[str | None, dict[str, Any]]:
 
 def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace each linear -> cross-entropy pair by ``zeroc::linear_cross_entropy``."""
-    if not getattr(ctx.config, "fused_loss", True):
+    setting = getattr(ctx.config, "fused_loss", "auto")
+    if setting is False:
         return PassResult(gm, False, {"disabled": True})
     graph = gm.graph
     regions = _autocast_regions(gm)
@@ -152,6 +174,8 @@ def fuse_linear_cross_entropy(gm: torch.fx.GraphModule, ctx: PassContext) -> Pas
                     or not isinstance(w_value, torch.Tensor) or w_value.dim() != 2 \
                     or logits_value.shape[-1] != _value(args["input"]).shape[-1]:
                 reason = "reshapes that do not keep the class dimension last"
+        if reason is None:
+            reason = _small_logits(setting, ctx.device, logits_value)
         if reason is not None:
             skipped[reason] += 1
             continue

@@ -311,6 +311,13 @@ def _memory_total_bytes() -> int:
         raise RuntimeError("cannot read this machine's memory size") from exc
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory of ``device``: a CUDA device's total memory, else this machine's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return _memory_total_bytes()
+
+
 def calibrate_cpu(seconds: float = 5.0) -> HardwareProfile:
     """Measure this machine in about ``seconds``: the best fp32 matmul FLOP/s over a few
     square sizes, the bandwidth of a large tensor copy (bytes read plus written) and the time

@@ -20,6 +20,7 @@ from torch import nn
 from torch.testing import FileCheck
 
 import zeroc
+from zeroc.passes import linear_cross_entropy as fused_pass
 from zeroc.passes.linear_cross_entropy import autocast_dtype
 from zeroc.runtime.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
 
@@ -92,6 +93,10 @@ def test_op_rejects_bad_arguments() -> None:
     assert default_chunk_rows(5, 64, 10) == 5
 
 
+# The pass on, whatever the head's size (the default, "auto", fuses only large logits off CUDA).
+FUSED = {"fused_loss": True}
+
+
 def _train(model: nn.Module, batch: tuple[torch.Tensor, ...], compiled: bool,
            options: dict | None = None, steps: int = 2) -> tuple[list[float], nn.Module]:
     run = torch.compile(model, backend="zeroc", options=options or {}) if compiled else model
@@ -117,7 +122,7 @@ def test_compiled_head_is_fused_and_trains_like_eager(model_cls: type) -> None:
     eager, model = model_cls(seed=0), model_cls(seed=0)
     batch = eager.example_batch(batch_size=4, seed=1)
     expected, _ = _train(eager, batch, compiled=False)
-    losses, run = _train(model, batch, compiled=True)
+    losses, run = _train(model, batch, compiled=True, options=FUSED)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5,
                                atol=1e-6)
     assert_tensors_match(dict(eager.named_parameters()), dict(model.named_parameters()),
@@ -154,6 +159,26 @@ def test_fused_loss_off_keeps_logits_and_saves_more() -> None:
     assert saved[False] - saved[True] >= 4 * (rows * vocab - rows * width - vocab * width)
 
 
+def test_auto_fuses_on_cuda_and_large_logits_only(monkeypatch) -> None:
+    """fused_loss="auto": small CPU logits stay unfused (the stats say why), logits past the
+    fraction of the device's memory are fused, and CUDA logits always are."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=32),
+                seed=0)
+    batch = model.example_batch(batch_size=2, seed=1)
+    _, run = _train(model, batch, compiled=True, steps=1)
+    stats = _pass_stats(zeroc.explain(run), "fuse_linear_cross_entropy")
+    assert stats["rewritten"] == "0"
+    assert "fused_loss='auto': logits of 8.0 KiB are under 1/64 of the cpu memory" \
+        in stats["skipped"]
+    torch._dynamo.reset()
+    monkeypatch.setattr(fused_pass, "LARGE_LOGITS_FRACTION", 1e-12)
+    _, run = _train(GPT(model.config, seed=0), batch, compiled=True, steps=1)
+    assert _pass_stats(zeroc.explain(run), "fuse_linear_cross_entropy") == {"rewritten": "1"}
+    logits = torch.empty(32, 64, device="meta")
+    assert fused_pass._small_logits("auto", torch.device("cuda"), logits) is None
+    assert fused_pass._small_logits(True, torch.device("cpu"), logits) is None
+
+
 class _HeadModel(nn.Module):
     """A head whose loss call is configurable, to exercise the pass's matches and refusals."""
 
@@ -184,7 +209,7 @@ def test_pass_rewrites_only_exact_matches(loss_kwargs, return_logits, expected) 
     model = _HeadModel(loss_kwargs, return_logits)
     model.load_state_dict(eager.state_dict())
     x, y = torch.randn(3, 5, 8), torch.randint(0, 12, (3, 5))
-    run = torch.compile(model, backend="zeroc")
+    run = torch.compile(model, backend="zeroc", options=FUSED)
     got, want = run(x, y), eager(x, y)
     got_loss = (got[0] if return_logits else got).sum()
     want_loss = (want[0] if return_logits else want).sum()
@@ -211,7 +236,7 @@ def test_autocast_casts_the_head_inputs_as_eager_autocast(region: str) -> None:
     eager, model = cls({}), cls({})
     model.load_state_dict(eager.state_dict())
     x, y = torch.randn(3, 5, 8), torch.randint(0, 12, (3, 5))
-    run = torch.compile(model, backend="zeroc")
+    run = torch.compile(model, backend="zeroc", options=FUSED)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = run(x, y), eager(x, y)
     # Eager autocast runs cross_entropy in float32, on logits of a bf16 matmul.
@@ -246,7 +271,7 @@ def test_autocast_of_another_device_or_disabled_casts_nothing() -> None:
 def test_no_grad_computes_no_gradients() -> None:
     model = _HeadModel({})
     x, y = torch.randn(3, 5, 8), torch.randint(0, 12, (3, 5))
-    run = torch.compile(model, backend="zeroc")
+    run = torch.compile(model, backend="zeroc", options=FUSED)
     with torch.no_grad():
         loss = run(x, y)
     torch.testing.assert_close(loss, model(x, y), rtol=1e-6, atol=1e-6)

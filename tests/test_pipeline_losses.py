@@ -176,7 +176,8 @@ def evaluation_job(rank: int, world: int) -> dict:
     from models.gpt import GPT
 
     model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=5), zero=3, pp=2)
-    compiled = torch.compile(model, backend="zeroc", options={"microbatches": 2})
+    compiled = torch.compile(model, backend="zeroc",
+                             options={"microbatches": 2, "fused_loss": True})
     idx, targets = batch()
     compiled(idx, targets.clamp(min=0)).backward()
     from zeroc.runtime.pipeline_executor import PipelineExecutor

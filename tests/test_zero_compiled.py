@@ -139,7 +139,8 @@ def two_rank_job(rank: int, world: int) -> dict:
     for name in MODELS:
         for zero in (0, 1, 2, 3):
             results[(name, zero)] = train_compiled(rank, world, name, zero, {"bucket_mb": 0.01})
-    results["large_buckets"] = train_compiled(rank, world, "gpt", 3, {"bucket_mb": 1000})
+    results["large_buckets"] = train_compiled(rank, world, "gpt", 3,
+                                              {"bucket_mb": 1000, "fused_loss": True})
     results["bf16"] = train_compiled(rank, world, "gpt", 3, {}, mixed_precision="bf16")
     return results
 
