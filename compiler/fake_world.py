@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zeroc.fake_cuda import ensure_fake_cuda, run_backward
+from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["PositionPlan", "fake_world", "meta_copy", "plan_position"]
@@ -80,7 +80,7 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
     PLANNING.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     torch._dynamo.reset()
     try:
-        with mode:
+        with fake_cuda_planning() if device == "cuda" else contextlib.nullcontext(), mode:
             yield mode
     finally:
         PLANNING.skip_init, PLANNING.device, PLANNING.simulated = saved
@@ -179,11 +179,12 @@ def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimi
 
 def _backward_for(device: str) -> Any:
     """The step's backward: the autograd engine wherever it accepts the fake tensors (CPU
-    ones, or CUDA ones where a GPU is present), so the backward frees what a real one frees
-    when a real one frees it; else (fake CUDA tensors without a GPU) ``run_backward``'s walk,
+    ones; CUDA ones where a GPU is present, or on a CPU-only torch inside
+    ``fake_cuda_planning``), so the backward frees what a real one frees when a real one
+    frees it; else (fake CUDA tensors on a CUDA build without a GPU) ``run_backward``'s walk,
     whose peak is higher: a gradient it hands to a parameter is still referenced, so
     ``AccumulateGrad`` copies it where the engine would take it over."""
-    if device == "cpu" or torch.cuda.is_available():
+    if device == "cpu" or torch.cuda.is_available() or not torch.backends.cuda.is_built():
         return lambda loss: loss.backward()
     return run_backward
 

@@ -3,9 +3,10 @@
 ZeRO-3 at dp=2, pp=2 DualPipeV and pp=2 x dp=2 ZeRO-3 each run one planned step with
 ``device="cuda"``; a dispatch mode records the device of every tensor given to a collective
 (``c10d`` and ``_c10d_functional`` ops) and a p2p call, and every compiled graph's inputs:
-all must be CUDA tensors. Fake CUDA tensors need a CUDA build of torch for the backward
-(AOTAutograd traces it through the autograd engine, which refuses CUDA tensors when torch has
-no CUDA): on a CPU-only build the test is skipped, saying so.
+all must be CUDA tensors. On a CPU-only build of torch the fake CUDA device comes from
+``zeroc.fake_cuda`` (a fake CUDA device guard, and CUDA hooks that let the autograd engine
+take CUDA tensors while planning); afterwards the process's torch has no accelerator, as
+before.
 """
 
 from __future__ import annotations
@@ -18,12 +19,6 @@ from torch.utils._pytree import tree_leaves
 import zeroc
 from zeroc.runtime import step_memory
 from zeroc.runtime.step_memory import StepMemory
-
-pytestmark = pytest.mark.skipif(
-    not torch.backends.cuda.is_built(),
-    reason="fake CUDA training steps need a CUDA build of torch (the autograd engine refuses "
-           "CUDA tensors on a CPU-only build)")
-
 
 DEVICES: dict[str, set[str]] = {}
 
@@ -41,19 +36,51 @@ class DeviceLog(StepMemory):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _note(seen: dict[str, set[str]], name: str, inputs) -> None:
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            seen.setdefault(name, set()).add(value.device.type)
+
+
+class RecordedStageGraph:
+    """A pipeline stage's graph that notes its inputs' devices, then runs."""
+
+    def __init__(self, graph, name: str, seen: dict[str, set[str]]) -> None:
+        self.graph, self.name, self.seen = graph, name, seen
+        self.num_forward_outputs = getattr(graph, "num_forward_outputs", None)
+
+    def __call__(self, *args):
+        _note(self.seen, self.name, args)
+        return self.graph(*args)
+
+
 def _graph_inputs(monkeypatch) -> dict[str, set[str]]:
+    """The devices of the inputs of every graph run: whole-model graphs (``GraphExecutor``)
+    and pipeline stage graphs (those of each ``PipelineExecutor``'s stage programs)."""
     from zeroc.runtime.executor import GraphExecutor
+    from zeroc.runtime.pipeline_executor import PipelineExecutor
 
     seen: dict[str, set[str]] = {}
     run = GraphExecutor._run
 
     def recording(self, inputs):
-        for value in inputs:
-            if isinstance(value, torch.Tensor):
-                seen.setdefault(self.name, set()).add(value.device.type)
+        _note(seen, self.name, inputs)
         return run(self, inputs)
 
+    init = PipelineExecutor.__init__
+
+    def recording_stages(self, layout, stages) -> None:
+        for index, program in stages.items():
+            for kind in ("forward", "backward", "input_grad", "weight_grad"):
+                setattr(program, kind, RecordedStageGraph(getattr(program, kind),
+                                                          f"s{index}.{kind}", seen))
+            for b_stage, graph in list(program.overlapped.items()):
+                program.overlapped[b_stage] = RecordedStageGraph(graph, f"s{index}.fb{b_stage}",
+                                                                 seen)
+        init(self, layout, stages)
+
     monkeypatch.setattr(GraphExecutor, "_run", recording)
+    monkeypatch.setattr(PipelineExecutor, "__init__", recording_stages)
     return seen
 
 
@@ -67,8 +94,10 @@ def test_every_collective_p2p_and_graph_input_is_on_cuda(monkeypatch, world, pp,
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32))
     tokens = torch.zeros(8, 16, dtype=torch.long)
     options = {"schedule": schedule} if schedule else {}
+    accelerator = torch.accelerator.current_accelerator()
     zeroc.explain(model, (tokens, tokens), world=world, pp=pp, zero=3, device="cuda",
                   options=options)
     assert DEVICES, "no collective was recorded"
     assert all(d == {"cuda"} for d in DEVICES.values()), DEVICES
     assert seen and all(d == {"cuda"} for d in seen.values()), seen
+    assert torch.accelerator.current_accelerator() == accelerator
