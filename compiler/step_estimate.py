@@ -5,7 +5,10 @@
 (``zeroc.runtime.hardware``):
 
 - compute: every compiled graph as a roofline, ``max(FLOPs / peak(dtype), bytes / memory
-  bandwidth)``, at least the launch floor. Pipelines: each stage's F, B and W from its own
+  bandwidth)``, at least the launch floor. When the plan is for this machine's CPU
+  (``op_times``, ``zeroc.runtime.op_timing``), each node that can be rebuilt is instead
+  timed on it, views included (each is a dispatcher call), scaled by the ranks' share of the
+  cores; the roofline stays for the rest. Pipelines: each stage's F, B and W from its own
   graphs (``g0.s3.forward``, ``.backward`` or ``.input_grad`` + ``.weight_grad``), run
   through the schedule simulator (``zeroc.runtime.simulate``), so the bubble is the one of this
   schedule with these costs; one rank's step is the simulated makespan.
@@ -21,7 +24,9 @@
   every dependency that crosses ranks in the simulation.
 - the optimizer: AdamW reads and writes 28 bytes per fp32 element a rank holds (parameter,
   gradient, two moments), at memory bandwidth; on a CPU profile also 12 ops per parameter
-  tensor at the launch floor (torch's CPU default is its per-tensor loop).
+  tensor at the launch floor (torch's CPU default is its per-tensor loop). With ``op_times``
+  an AdamW step over tensors of the rank's sizes is timed instead, on DTensors at ZeRO >= 1
+  (each op's DTensor dispatch is most of a small model's step).
 
 A rank's step is the sum; the job's step is its slowest position's. The estimate also gives
 every graph's time per call (``StepEstimate.graphs``) and the slowest rank's step by action
@@ -46,18 +51,42 @@ ADAMW_BYTES_PER_ELEMENT = 28  # read p, g, m, v and write p, m, v: 7 fp32 values
 ADAMW_OPS_PER_TENSOR = 12
 
 
-def _optimizer_s(plan: Any, position: int, params_bytes: int, profile: Any) -> float:
-    """AdamW on what a rank holds: its elements at memory bandwidth, plus, on a CPU, the
-    launch floor of every op the per-tensor loop runs."""
+def _optimizer_s(plan: Any, position: int, params_bytes: int, profile: Any,
+                 op_times: Any = None) -> float:
+    """AdamW on what a rank holds: timed on this machine (``op_times``: an AdamW step over
+    tensors of the rank's parameters' sizes, DTensors at ZeRO >= 1), else its elements at
+    memory bandwidth plus, on a CPU, the launch floor of every op the per-tensor loop runs."""
+    if plan.pipeline is None:
+        names = None
+        tensors = len(plan.params)
+    else:
+        names = {n for s, ranks in enumerate(plan.pipeline.placement) if position in ranks
+                 for n in plan.stages[s].param_names}
+        tensors = len(names)
+    if op_times is not None:
+        dp = max(1, plan.meta.world_size // (plan.pipeline.num_ranks if plan.pipeline else 1))
+        # The optimizer updates this rank's rows: a shard of each parameter at ZeRO >= 1.
+        numels = [-(-max(p.numel, 1) // dp) if plan.meta.zero == 1 else p.numel
+                  for p in plan.params if names is None or p.name in names]
+        measured = op_times.optimizer_seconds(numels, plan.meta.zero >= 1)
+        if measured is not None:
+            return measured
     seconds = (params_bytes // 4) * ADAMW_BYTES_PER_ELEMENT / profile.memory_bytes_per_s
     if not profile.name.startswith("cpu"):
         return seconds
-    if plan.pipeline is None:
-        tensors = len(plan.params)
-    else:
-        tensors = sum(len(plan.stages[s].param_names)
-                      for s, ranks in enumerate(plan.pipeline.placement) if position in ranks)
     return seconds + tensors * ADAMW_OPS_PER_TENSOR * profile.launch_floor_s
+
+
+def _node_s(node: Any, dtype: str, profile: Any, op_times: Any) -> float:
+    """One node's seconds: measured on this machine when ``op_times`` can time its call, else
+    the roofline of a node that does work (FLOPs or bytes), else nothing."""
+    if op_times is not None:
+        measured = op_times.seconds(getattr(node, "call", ""))
+        if measured is not None:
+            return measured
+    if node.flops or node.bytes:
+        return estimate_compute_s(node.flops, node.bytes, dtype, profile)
+    return 0.0
 
 
 def _graph_s(graph: Any, dtype: str, profile: Any) -> float:
@@ -78,7 +107,7 @@ def _one_collective_s(c: Any, dp: int, profile: Any, inter_node: bool) -> float:
 
 
 def _graph_timeline_s(graph: Any, collectives: list[Any], dtype: str, profile: Any, dp: int,
-                      inter_node: bool) -> tuple[float, float]:
+                      inter_node: bool, op_times: Any = None) -> tuple[float, float]:
     """``(compute, total)`` seconds of one call of ``graph`` with its collectives: the nodes
     run in graph order on the compute stream; a collective starts on the one communication
     stream when its issuing node has run (and the previous collective is done) and the node
@@ -104,10 +133,9 @@ def _graph_timeline_s(graph: Any, collectives: list[Any], dtype: str, profile: A
     for node in nodes:
         for c in waited.get(node.name, ()):
             now = max(now, ends.get(c.name, now))
-        if node.flops or node.bytes:
-            seconds = estimate_compute_s(node.flops, node.bytes, dtype, profile)
-            now += seconds
-            compute += seconds
+        seconds = _node_s(node, dtype, profile, op_times)
+        now += seconds
+        compute += seconds
         for c in issued.get(node.name, ()):
             start = max(now, comm_free)
             comm_free = ends[c.name] = start + _one_collective_s(c, dp, profile, inter_node)
@@ -163,8 +191,10 @@ def _kinds_of(timeline: Any, rank: int) -> dict[str, float]:
     return totals
 
 
-def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> StepEstimate:
-    """The estimated step of the job whose positions planned ``plans`` (see the module)."""
+def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str,
+                  op_times: Any = None) -> StepEstimate:
+    """The estimated step of the job whose positions planned ``plans`` (see the module);
+    ``op_times``: an ``OpTimes`` of this machine, to time the graphs' ops on it."""
     base = plans[0]
     pp = len(plans)
     dp = world // pp
@@ -177,7 +207,8 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
         for g in plan.graphs:
             if g.kind != "joint" and g.nodes:
                 timelines[g.name] = _graph_timeline_s(g, by_graph.get(g.name, []), dtype,
-                                                      profile, dp, inter_node)
+                                                      profile, dp, inter_node, op_times)
+
     graph_s = {name: total for name, (_, total) in timelines.items()}
     p2p = 0.0
     in_graphs = 0.0  # communication the graphs' own compute does not hide
@@ -205,10 +236,12 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str) -> Ste
         compute = compute_per_position[position]
         exposed = in_graphs + _step_collectives_s(plan, dp, profile, inter_node)
         row = next(m for m in plan.memory if m.rank == position * dp)
-        optimizer = _optimizer_s(plan, position, row.params, profile)
+        optimizer = _optimizer_s(plan, position, row.params, profile, op_times)
         steps.append(compute + exposed + optimizer)
         exposed_per_position.append(exposed)
         optimizer_per_position.append(optimizer)
+    if op_times is not None:
+        op_times.save()
     slowest = max(range(pp), key=lambda p: steps[p])
     kinds = dict(kinds_per_position[min(slowest, len(kinds_per_position) - 1)])
     if p2p:  # each cross-rank edge of the simulation waited this long

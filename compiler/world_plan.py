@@ -77,13 +77,16 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
     plan = dataclasses.replace(base, meta=meta, memory=tuple(memory))
     if hardware is not None:
         from zeroc.runtime.hardware import get_profile
+        from zeroc.runtime.op_timing import op_times_for
         from zeroc.step_estimate import estimate_step
 
         bf16 = mixed_precision == "bf16" or str(
             getattr(mixed_precision, "param_dtype", "")) == "torch.bfloat16"
         merged = [dataclasses.replace(p.plan, memory=tuple(
             m for m in memory if m.rank // dp == i)) for i, p in enumerate(positions)]
+        profile = get_profile(hardware)
+        op_times = op_times_for(profile, device, world, (options or {}).get("cache_dir"))
         plan = dataclasses.replace(plan, estimate=estimate_step(
-            merged, world, get_profile(hardware), "bfloat16" if bf16 else "float32"))
+            merged, world, profile, "bfloat16" if bf16 else "float32", op_times))
     log.info("planned a %d-rank job in %.1f s", world, sum(p.seconds for p in positions))
     return plan

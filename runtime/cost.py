@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP, collective_bytes
+from zeroc.runtime.op_timing import encode_call
 from zeroc.runtime.records import GraphInfo, NodeCost
 
 # Adam and AdamW keep two state tensors (exp_avg, exp_avg_sq) per parameter.
@@ -83,10 +84,11 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
         return NodeCost(name, target, 0, 0)
     out = node.meta.get("val")
     packet = _packet(node.target)
-    if packet in _ALIAS_PACKETS:
-        return NodeCost(name, target, 0, 0)
     args = torch.fx.node.map_arg(node.args, _node_value)
     kwargs = torch.fx.node.map_arg(node.kwargs, _node_value)
+    call = encode_call(node.target, args, kwargs)
+    if packet in _ALIAS_PACKETS:
+        return NodeCost(name, target, 0, 0, call)
     in_tensors = _tensors((args, kwargs))
     read = sum(_numel(t) * t.element_size() for t in in_tensors)
     written = tensor_bytes(out)
@@ -110,7 +112,7 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
             flops = sum(_numel(t) for t in in_tensors)
         else:
             flops = sum(_numel(t) for t in _tensors(out))
-    return NodeCost(name, target, flops, read + written)
+    return NodeCost(name, target, flops, read + written, call)
 
 
 def _target_name(node: torch.fx.Node) -> str:

@@ -301,6 +301,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_model() -> str:
+    """This machine's CPU model, as the OS names it."""
+    return _cpu_model()
+
+
 def _memory_total_bytes() -> int:
     with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):  # no /proc
         with open("/proc/meminfo", encoding="utf-8") as handle:

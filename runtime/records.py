@@ -17,6 +17,9 @@ class NodeCost:
     target: str
     flops: int
     bytes: int
+    # The call as ``zeroc.runtime.op_timing.encode_call`` gives it ("" when it cannot be
+    # rebuilt): what the step estimate times on the machine at hand.
+    call: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

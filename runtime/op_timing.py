@@ -1,0 +1,277 @@
+"""Measured times of a graph's own ops on the machine at hand, for the step estimate.
+
+A roofline (FLOPs at the matmul peak, bytes at the copy bandwidth, at least the launch floor)
+misses most of what an op costs on a CPU: small matmuls run well below the peak, attention
+and transcendental pointwise ops (GELU, exp) are compute-bound far under it, and every view
+is a Python call through the dispatcher. When the plan is for this machine, the estimate
+times each op itself instead: ``encode_call`` records a node's call (its ``OpOverload``, the
+shapes, strides and dtypes of its tensor arguments and its other arguments as plain values)
+in the plan's ``NodeCost.call``; ``OpTimes.seconds`` rebuilds the call on real tensors
+(random floats, zero integers: valid indices and targets for every op that reads them), runs
+it a few times and keeps the median, once per distinct call. Results persist under
+``<cache_dir>/op_times/``, keyed by CPU model, core count, torch version and thread count,
+so a second plan of the same shapes measures nothing.
+
+A call that cannot be rebuilt (an op that is not an aten ``OpOverload``, an argument that is
+not a tensor or a plain value, an op that raises on the rebuilt inputs) has no time, and the
+estimate keeps its roofline for that node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+__all__ = ["OpTimes", "encode_call", "op_times_for"]
+
+log = logging.getLogger(__name__)
+
+# Timing stops after this many calls or this much time per op, whichever comes first.
+_MAX_CALLS = 15
+_MAX_SECONDS = 0.02
+# Ops that communicate (their time is the collectives model's), and zeroc's own ops but the
+# ones that only compute.
+_SKIPPED_NAMESPACES = ("_c10d_functional", "c10d", "zeroc")
+_COMPUTE_ONLY = {"zeroc.linear_cross_entropy"}
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _concrete(value: Any) -> int:
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        hint = value.node.hint
+        return int(hint) if hint is not None else 0
+    return int(value)
+
+
+def _encode(value: Any) -> Any:
+    """A JSON value for one argument; raises ValueError for one that cannot be rebuilt.
+    Tensors, dtypes, devices and enums become dicts of ``$``-keys, which no keyword argument
+    can be named, so ``_decode`` tells them from a dict of keyword arguments."""
+    if isinstance(value, torch.Tensor):
+        return {"$t": [_concrete(s) for s in value.shape],
+                "$s": [_concrete(s) for s in value.stride()], "$d": str(value.dtype)[6:]}
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return _concrete(value)
+    if isinstance(value, torch.dtype):
+        return {"$dtype": str(value)[6:]}
+    if isinstance(value, torch.device):
+        return {"$device": True}
+    if isinstance(value, (torch.layout, torch.memory_format)):
+        return {"$enum": str(value)[6:]}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, _PLAIN):
+        if isinstance(value, float) and value != value:
+            raise ValueError("nan argument")
+        return value
+    raise ValueError(f"argument of type {type(value).__name__}")
+
+
+def encode_call(target: Any, args: tuple, kwargs: dict) -> str:
+    """The call of ``target`` on ``args`` / ``kwargs`` (values: tensors, fake or real, and
+    plain values) as a JSON string; ``""`` when it cannot be rebuilt."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return ""
+    if target.namespace in _SKIPPED_NAMESPACES \
+            and f"{target.namespace}.{target._opname}" not in _COMPUTE_ONLY:
+        return ""
+    try:
+        return json.dumps({"op": f"{target.namespace}.{target._opname}.{target._overloadname}",
+                           "args": _encode(list(args)), "kwargs": _encode(dict(kwargs))},
+                          sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return ""
+
+
+def _decode(value: Any, device: torch.device) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, device) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "$t" in value:
+        dtype = getattr(torch, value["$d"])
+        span = 1 + sum((size - 1) * stride for size, stride in zip(value["$t"], value["$s"],
+                                                                   strict=True) if size > 0)
+        if dtype.is_floating_point or dtype.is_complex:
+            storage = torch.randn(span, dtype=dtype, device=device)
+        else:
+            storage = torch.zeros(span, dtype=dtype, device=device)
+        return storage.as_strided(value["$t"], value["$s"])
+    if "$dtype" in value:
+        return getattr(torch, value["$dtype"])
+    if "$device" in value:
+        return device
+    if "$enum" in value:
+        return getattr(torch, value["$enum"])
+    return {k: _decode(v, device) for k, v in value.items()}
+
+
+def _resolve(name: str) -> Any:
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def _time_call(call: str, device: torch.device) -> float | None:
+    """Median seconds of one run of ``call`` on rebuilt inputs; None when it cannot run."""
+    spec = json.loads(call)
+    try:
+        target = _resolve(spec["op"])
+        with unset_fake_temporarily():
+            args = _decode(spec["args"], device)
+            kwargs = _decode(spec["kwargs"], device)
+        with torch.no_grad(), unset_fake_temporarily():
+            target(*args, **kwargs)  # warm-up (and the check that it runs at all)
+            times: list[float] = []
+            deadline = time.perf_counter() + _MAX_SECONDS
+            while len(times) < _MAX_CALLS and (len(times) < 3 or time.perf_counter() < deadline):
+                start = time.perf_counter()
+                target(*args, **kwargs)
+                times.append(time.perf_counter() - start)
+    except Exception as error:  # an op that needs real values, or arguments we cannot rebuild
+        log.debug("op timing: %s did not run on rebuilt inputs (%s)", spec["op"], error)
+        return None
+    return statistics.median(times)
+
+
+def _time_adamw(numels: list[int], dtensor: bool) -> float | None:
+    """Median seconds of ``torch.optim.AdamW.step`` (its default implementation here) over
+    fp32 parameters of ``numels`` elements, DTensors sharded on a 2-rank mesh when
+    ``dtensor`` (a parallelized model's parameters): their per-op dispatch is most of a small
+    model's optimizer step. None when a DTensor mesh cannot be made (a process group is
+    already initialized in this process)."""
+    import torch.distributed as dist
+
+    made_group = False
+    try:
+        with unset_fake_temporarily():
+            params = [torch.randn(n) for n in numels]
+            grads = [torch.randn(n) for n in numels]
+            if dtensor:
+                if dist.is_initialized():
+                    return None
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.tensor import DTensor, Shard
+                from torch.testing._internal.distributed.fake_pg import FakeStore
+
+                dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+                made_group = True
+                mesh = init_device_mesh("cpu", (2,))
+                params, grads = ([DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+                                  for t in tensors] for tensors in (params, grads))
+            params = [torch.nn.Parameter(p) for p in params]
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            optimizer = torch.optim.AdamW(params, lr=1e-3)
+            times = []
+            for _ in range(4):
+                start = time.perf_counter()
+                optimizer.step()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+    except Exception as error:
+        log.debug("op timing: AdamW on %d tensors did not run (%s)", len(numels), error)
+        return None
+    finally:
+        if made_group:
+            dist.destroy_process_group()
+
+
+class OpTimes:
+    """Measured seconds per encoded call on this machine's CPU (see the module docstring)."""
+
+    def __init__(self, cache_dir: str | None = None, ranks_per_machine: int = 1) -> None:
+        from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
+
+        self.device = torch.device("cpu")
+        # Ops are timed alone; ranks sharing fewer cores than their threads each get a share.
+        threads = ranks_per_machine * torch.get_num_threads()
+        self.scale = max(1.0, threads / (os.cpu_count() or 1))
+        key = {"cpu_model": cpu_model(), "cores": os.cpu_count() or 1,
+               "torch": torch.__version__, "threads": torch.get_num_threads()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
+        self.path = os.path.join(root, "op_times", f"ops-{digest}.json")
+        self.root = root
+        self.times: dict[str, float | None] = self._read()
+        self.measured = 0
+
+    def _read(self) -> dict[str, float | None]:
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                data = json.load(handle)
+            if isinstance(data, dict) and all(
+                    isinstance(k, str) and (v is None or isinstance(v, float))
+                    for k, v in data.items()):
+                return data
+            log.info("op timing: %s is not a table of times; measuring again", self.path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as error:
+            log.info("op timing: cannot read %s (%s); measuring again", self.path, error)
+        return {}
+
+    def seconds(self, call: str) -> float | None:
+        """Seconds of one run of ``call`` by one of the job's ranks (measured alone once, then
+        remembered, and scaled by the ranks' share of the cores); None when it has no
+        measurable form."""
+        if not call:
+            return None
+        if call not in self.times:
+            self.times[call] = _time_call(call, self.device)
+            self.measured += 1
+        seconds = self.times[call]
+        return None if seconds is None else seconds * self.scale
+
+    def optimizer_seconds(self, numels: list[int], dtensor: bool) -> float | None:
+        """Seconds of one AdamW step over parameters of ``numels`` elements (DTensors when
+        ``dtensor``), measured once per distinct set, scaled as ``seconds``."""
+        if not numels:
+            return 0.0
+        key = json.dumps({"op": "adamw", "numels": sorted(numels), "dtensor": dtensor},
+                         sort_keys=True, separators=(",", ":"))
+        if key not in self.times:
+            self.times[key] = _time_adamw(numels, dtensor)
+            self.measured += 1
+        seconds = self.times[key]
+        return None if seconds is None else seconds * self.scale
+
+    def save(self) -> None:
+        """Persist the table (mode 0o700 directories, written through a temporary file);
+        a failure is only logged."""
+        if not self.measured:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            temporary = f"{self.path}.{os.getpid()}.tmp"
+            with open(temporary, "w", encoding="utf-8") as handle:
+                json.dump(self.times, handle)
+            os.replace(temporary, self.path)
+        except OSError as error:
+            log.info("op timing: cannot write %s (%s)", self.path, error)
+        log.debug("op timing: measured %d calls (%d known) for %s", self.measured,
+                  len(self.times), self.path)
+        self.measured = 0
+
+
+def op_times_for(profile: Any, device: str, world: int,
+                 cache_dir: str | None = None) -> OpTimes | None:
+    """An ``OpTimes`` when the plan is for this machine's CPU (``device="cpu"`` and a profile
+    measured here); None otherwise (another machine's ops cannot be timed here)."""
+    import socket
+
+    if device != "cpu" or not profile.name.startswith("cpu") \
+            or f" on {socket.gethostname()} " not in f"{profile.source} ":
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = min(world, int(local)) if local.isdigit() and int(local) > 0 else world
+    return OpTimes(cache_dir, ranks_per_machine=ranks)

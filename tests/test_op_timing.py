@@ -1,0 +1,117 @@
+"""Ops timed on the machine at hand for the step estimate (``zeroc.runtime.op_timing``).
+
+A node's call is recorded from fake tensors, rebuilt on real ones and timed once per distinct
+call; a table persists per machine; calls that cannot be rebuilt or run have no time and
+keep the roofline; a plan for this CPU on its own measured profile is estimated from the
+timed ops, views included, and one for another machine is not.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zeroc.runtime.hardware import estimate_compute_s, get_profile
+from zeroc.runtime.op_timing import OpTimes, encode_call, op_times_for
+from zeroc.step_estimate import _graph_timeline_s
+
+aten = torch.ops.aten
+
+
+def test_a_call_is_recorded_from_fake_tensors_and_rebuilt_on_real_ones(tmp_path) -> None:
+    with FakeTensorMode():
+        a, b = torch.randn(64, 32), torch.randn(16, 32).t()
+        index = torch.zeros(8, dtype=torch.long)
+    call = encode_call(aten.mm.default, (torch.randn(64, 32), torch.randn(32, 16)), {})
+    spec = json.loads(call)
+    assert spec["op"] == "aten.mm.default"
+    assert spec["args"][0] == {"$t": [64, 32], "$s": [32, 1], "$d": "float32"}
+    # Strides survive (a transposed operand stays transposed), integer inputs are zeros.
+    strided = json.loads(encode_call(aten.mm.default, (a, b), {}))
+    assert strided["args"][1]["$s"] == [1, 32]
+    # A keyword named like a marker ("device") is a keyword, not a device.
+    arange = encode_call(aten.arange.default, (8,),
+                         {"device": torch.device("cpu"), "dtype": torch.float32})
+    times = OpTimes(str(tmp_path))
+    for made in (call, arange, encode_call(aten.index_select.default, (a, 0, index), {})):
+        seconds = times.seconds(made)
+        assert seconds is not None and 0 < seconds < 1
+    assert times.measured == 3
+
+
+def test_what_cannot_be_rebuilt_or_run_has_no_time(tmp_path) -> None:
+    assert encode_call(lambda x: x, (torch.ones(2),), {}) == ""  # not an OpOverload
+    assert encode_call(aten.add.Tensor, (torch.ones(2), object()), {}) == ""
+    issue = torch.ops._c10d_functional.all_reduce.default
+    assert encode_call(issue, (torch.ones(2), "sum", "0"), {}) == ""  # communicates
+    wrong = encode_call(aten.mm.default, (torch.ones(2, 3), torch.ones(2, 3)), {})
+    times = OpTimes(str(tmp_path))
+    assert times.seconds(wrong) is None and times.seconds("") is None
+
+
+def test_the_table_persists_per_machine_and_a_corrupt_one_is_measured_again(tmp_path) -> None:
+    call = encode_call(aten.add.Tensor, (torch.ones(128), torch.ones(128)), {})
+    first = OpTimes(str(tmp_path))
+    seconds = first.seconds(call)
+    first.save()
+    again = OpTimes(str(tmp_path))
+    assert again.seconds(call) == seconds and again.measured == 0
+    with open(again.path, "w", encoding="utf-8") as handle:
+        handle.write("{not json")
+    fresh = OpTimes(str(tmp_path))
+    assert fresh.times == {} and fresh.seconds(call) is not None
+
+
+def test_ranks_sharing_the_cores_each_get_a_share(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    call = encode_call(aten.add.Tensor, (torch.ones(64), torch.ones(64)), {})
+    alone = OpTimes(str(tmp_path), ranks_per_machine=1)
+    shared = OpTimes(str(tmp_path), ranks_per_machine=4)
+    shared.times = alone.times
+    base = alone.seconds(call)
+    assert shared.seconds(call) == pytest.approx(base * 4 * torch.get_num_threads() / 2)
+
+
+def test_only_a_plan_for_this_cpu_on_its_own_profile_times_ops(tmp_path) -> None:
+    here = get_profile({"base": "h100-sxm", "name": "cpu-test",
+                        "source": f"measured on {socket.gethostname()} today"})
+    elsewhere = get_profile({"base": "h100-sxm", "name": "cpu-test",
+                             "source": "measured on another-host today"})
+    assert op_times_for(here, "cpu", 2, str(tmp_path)) is not None
+    assert op_times_for(here, "cuda", 2, str(tmp_path)) is None
+    assert op_times_for(elsewhere, "cpu", 2, str(tmp_path)) is None
+    assert op_times_for(get_profile("h100-sxm"), "cpu", 2, str(tmp_path)) is None
+
+
+def test_the_estimate_takes_timed_ops_and_counts_views(tmp_path) -> None:
+    profile = get_profile("h100-sxm")
+    big = encode_call(aten.mm.default, (torch.ones(256, 256), torch.ones(256, 256)), {})
+    view = encode_call(aten.view.default, (torch.ones(256, 256), [-1]), {})
+    nodes = (SimpleNamespace(name="mm", flops=2 * 256 ** 3, bytes=3 * 256 * 256 * 4, call=big),
+             SimpleNamespace(name="view", flops=0, bytes=0, call=view),
+             SimpleNamespace(name="fused", flops=10, bytes=40, call=""))
+    graph = SimpleNamespace(node_costs=nodes, flops=0, bytes=0)
+    times = OpTimes(str(tmp_path))
+    compute, _ = _graph_timeline_s(graph, [], "float32", profile, 1, False, times)
+    expected = (times.seconds(big) + times.seconds(view)
+                + estimate_compute_s(10, 40, "float32", profile))
+    assert compute == pytest.approx(expected)
+    roofline, _ = _graph_timeline_s(graph, [], "float32", profile, 1, False)
+    assert roofline == pytest.approx(sum(estimate_compute_s(n.flops, n.bytes, "float32",
+                                                            profile) for n in nodes if n.flops))
+
+
+def test_the_optimizer_is_timed_on_dtensors_when_parameters_are_sharded(tmp_path) -> None:
+    times = OpTimes(str(tmp_path))
+    plain = times.optimizer_seconds([4096] * 20, dtensor=False)
+    sharded = times.optimizer_seconds([4096] * 20, dtensor=True)
+    assert plain is not None and sharded is not None
+    # Each of the per-tensor loop's ops goes through DTensor's dispatch: several times dearer.
+    assert sharded > plain
+    assert times.optimizer_seconds([], dtensor=True) == 0.0
+    assert not torch.distributed.is_initialized()  # the fake group it made is gone
