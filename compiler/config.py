@@ -35,7 +35,7 @@ class Config:
     fused_loss: compute a linear layer followed by cross-entropy (a language-model head) in
         row chunks with ``zeroc::linear_cross_entropy``, never materializing the logits.
         ``"auto"`` (default): on CUDA (its one-pass Triton chunk kernel), and elsewhere only
-        where the logits are large (``rows x vocab x 4`` bytes at least 1/64 of the device's
+        where the logits are large (``rows x vocab x 4`` bytes at least 1/2048 of the device's
         memory), since on the CPU the chunked op costs time (about 6% of a small GPT's step)
         and saves memory that is not short; ``True`` / ``False``: always / never.
     partitioner: "min_cut" (recompute cheap ops, save less) or "default" (save what the
