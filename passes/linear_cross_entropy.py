@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.cost import concrete
 from zeroc.runtime.hardware import device_memory_bytes
 from zeroc.runtime.plan_format import human_bytes
 
@@ -61,7 +62,9 @@ def _small_logits(setting: object, device: torch.device, logits: torch.Tensor) -
     """Why ``fused_loss="auto"`` leaves a match of ``logits`` unfused; None: fuse it."""
     if setting != "auto" or device.type == "cuda":
         return None
-    nbytes = logits.numel() * 4  # the float32 logits the loss reads (and their gradient)
+    # The float32 logits the loss reads (and their gradient); a symbolic size's hint, since
+    # comparing the size itself would guard on it (a recompile per sequence length).
+    nbytes = concrete(logits.numel()) * 4
     limit = device_memory_bytes(device) * LARGE_LOGITS_FRACTION
     if nbytes >= limit:
         return None

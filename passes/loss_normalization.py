@@ -25,6 +25,7 @@ full-batch inputs; ``None`` means 1.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["LossNormalization", "normalize_loss", "LossReductionError"]
 
 _CROSS_ENTROPY = {F.cross_entropy, F.nll_loss}
+_SIGNATURES = {f: inspect.signature(f) for f in _CROSS_ENTROPY}
 _MEAN = {torch.mean, "mean"}
 _SUM = {torch.sum, "sum"}
 _PASS_THROUGH = {"to", "float", "double", "half", "bfloat16", "type_as", "view", "reshape",
@@ -118,13 +120,19 @@ def _cross_entropy_args(node: torch.fx.Node) -> tuple[torch.fx.Node, int, str] |
     """(target, ignore_index, reduction) of a cross-entropy node, or None if unsupported."""
     if node.target is torch.ops.zeroc.linear_cross_entropy.default:
         return node.args[3], int(node.args[4]), str(node.args[5])
-    if len(node.args) > 2 or node.kwargs.get("weight") is not None:
+    try:  # positional or keyword, as the call gave them (nn.CrossEntropyLoss passes all)
+        bound = _SIGNATURES[node.target].bind(*node.args, **node.kwargs)
+    except TypeError:
         return None
-    if any(node.kwargs.get(k) is not None for k in ("size_average", "reduce")):
+    bound.apply_defaults()
+    args = bound.arguments
+    if args["weight"] is not None or args["size_average"] is not None \
+            or args["reduce"] is not None:
         return None
-    target = node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
-    return target, int(node.kwargs.get("ignore_index", -100)), str(
-        node.kwargs.get("reduction", "mean"))
+    ignore_index, reduction = args["ignore_index"], args["reduction"]
+    if isinstance(ignore_index, torch.fx.Node) or not isinstance(reduction, str):
+        return None
+    return args["target"], int(ignore_index), reduction
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
@@ -139,7 +147,8 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     if key in _CROSS_ENTROPY or key is torch.ops.zeroc.linear_cross_entropy.default:
         args = _cross_entropy_args(node)
         if args is None:
-            return f"{node.target.__name__} with class weights or positional reduction arguments"
+            return (f"{node.target.__name__} with class weights, the legacy size_average/reduce "
+                    "arguments or a computed ignore_index")
         target, ignore_index, reduction = args
         if reduction == "sum":
             return "sum", None
@@ -147,8 +156,12 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
             return f"cross-entropy with reduction={reduction!r}"
         if key is torch.ops.zeroc.linear_cross_entropy.default:
             node.args = (*node.args[:5], "sum", *node.args[6:])
-        else:
-            node.kwargs = {**node.kwargs, "reduction": "sum"}
+        else:  # every argument by keyword: the call may have given reduction by position
+            bound = _SIGNATURES[node.target].bind(*node.args, **node.kwargs)
+            first, second = list(bound.arguments)[:2]
+            node.args = (bound.arguments[first], bound.arguments[second])
+            node.kwargs = {**{k: v for k, v in bound.arguments.items()
+                              if k not in (first, second)}, "reduction": "sum"}
         return "token_mean", _count_graph(gm, target, ignore_index)
     if key in _SUM and len(node.args) == 1 and not node.kwargs.get("dim"):
         return "sum", None
