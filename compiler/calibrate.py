@@ -31,7 +31,7 @@ from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import (
     DEFAULT_CACHE_DIR,
     HardwareProfile,
-    _memory_total_bytes,
+    device_memory_bytes,
     profile_for_device_name,
 )
 from zeroc.runtime.mesh import Mesh, resolve_group
@@ -237,8 +237,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, groups: Any = Non
     start = time.perf_counter()
     log.info("calibrating %s (%s, world %d) in about %.2f s per measurement",
              calibration.machine_name(device), backend, world, budget)
-    total = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-             else _memory_total_bytes())
+    total = device_memory_bytes(device)
     table = calibration.measure_matmul(device, budget)
     bandwidth = calibration.measure_memory_bandwidth(device, budget, total)
     launch = calibration.measure_launch_floor(device, budget)

@@ -42,7 +42,7 @@ from zeroc.runtime.hardware import (
     FLOPS_DTYPES,
     SHAPE_CLASSES,
     HardwareProfile,
-    _cpu_model,
+    cpu_model,
 )
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def write_cached(root: str, path: str, key: Mapping[str, Any], profile: Hardware
 
 def machine_name(device: torch.device) -> str:
     """The CPU model, or the GPU's name as CUDA gives it."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
 
 
 def _sync(device: torch.device) -> None:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 #   typical measured values, not datasheet figures.
 
 DEFAULT_CACHE_DIR = "~/.cache/zeroc"
+_CPU = torch.device("cpu")
 _DATA = "hardware_profiles.json"
 # Dtype names a profile may give FLOP/s for ("tf32": float32 matmuls on TF32 tensor cores).
 FLOPS_DTYPES = ("float64", "float32", "tf32", "bfloat16", "float16", "float8_e4m3fn",
@@ -275,7 +276,7 @@ def _matmul_flops(end: float) -> float:
 
 def _copy_bandwidth(end: float) -> float:
     budget = max(end - time.perf_counter(), 0.0)
-    nbytes = min(256 << 20 if budget >= 0.2 else 64 << 20, _memory_total_bytes() // 16)
+    nbytes = min(256 << 20 if budget >= 0.2 else 64 << 20, device_memory_bytes() // 16)
     src = torch.ones(max(nbytes // 4, 1 << 18))
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch every page of both before timing
@@ -291,7 +292,8 @@ def _launch_floor(end: float) -> float:
     return 1.0 / _best_rate(run, float(nodes), end, min(0.01, budget / 8 + 1e-4))
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This machine's CPU model, as the OS names it."""
     with contextlib.suppress(OSError):  # no /proc: fall back to what platform knows
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             for line in handle:
@@ -301,12 +303,10 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def cpu_model() -> str:
-    """This machine's CPU model, as the OS names it."""
-    return _cpu_model()
-
-
-def _memory_total_bytes() -> int:
+def device_memory_bytes(device: torch.device = _CPU) -> int:
+    """The memory of ``device``: a CUDA device's total memory, else this machine's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
     with contextlib.suppress(OSError, ValueError, IndexError, StopIteration):  # no /proc
         with open("/proc/meminfo", encoding="utf-8") as handle:
             return next(int(ln.split()[1]) * 1024 for ln in handle if ln.startswith("MemTotal:"))
@@ -314,13 +314,6 @@ def _memory_total_bytes() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, ValueError, OSError) as exc:
         raise RuntimeError("cannot read this machine's memory size") from exc
-
-
-def device_memory_bytes(device: torch.device) -> int:
-    """The memory of ``device``: a CUDA device's total memory, else this machine's RAM."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return _memory_total_bytes()
 
 
 def calibrate_cpu(seconds: float = 5.0) -> HardwareProfile:
@@ -335,10 +328,10 @@ def calibrate_cpu(seconds: float = 5.0) -> HardwareProfile:
     bandwidth = _copy_bandwidth(start + 0.85 * seconds)
     launch = _launch_floor(start + seconds)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\((r|tm|c)\)", "", _cpu_model().lower())).strip("-")
+    slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\((r|tm|c)\)", "", cpu_model().lower())).strip("-")
     profile = HardwareProfile(
         name=f"cpu-{slug or 'unknown'}", peak_flops={"float32": flops},
-        memory_bytes_per_s=bandwidth, memory_bytes=_memory_total_bytes(),
+        memory_bytes_per_s=bandwidth, memory_bytes=device_memory_bytes(),
         intra_node_bytes_per_s=bandwidth, intra_node_latency_s=launch,
         inter_node_bytes_per_s=bandwidth, inter_node_latency_s=launch,
         devices_per_node=1, launch_floor_s=launch,
@@ -355,7 +348,7 @@ def cpu_profile(cache_dir: str | None = None, seconds: float = 5.0) -> HardwareP
     else ``calibrate_cpu(seconds)`` and stored there (``cache_dir`` defaults to
     ``~/.cache/zeroc``, created with mode 0o700). A corrupt or stale file is measured again
     and a cache that cannot be written is only logged."""
-    key = {"cpu_model": _cpu_model(), "cores": os.cpu_count() or 1,
+    key = {"cpu_model": cpu_model(), "cores": os.cpu_count() or 1,
            "torch": torch.__version__, "threads": torch.get_num_threads(),
            "launch_floor": "fx-node"}  # what the launch floor times (a graph's node)
     root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
