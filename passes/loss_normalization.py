@@ -120,19 +120,25 @@ def _cross_entropy_args(node: torch.fx.Node) -> tuple[torch.fx.Node, int, str] |
     """(target, ignore_index, reduction) of a cross-entropy node, or None if unsupported."""
     if node.target is torch.ops.zeroc.linear_cross_entropy.default:
         return node.args[3], int(node.args[4]), str(node.args[5])
-    try:  # positional or keyword, as the call gave them (nn.CrossEntropyLoss passes all)
-        bound = _SIGNATURES[node.target].bind(*node.args, **node.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    args = bound.arguments
-    if args["weight"] is not None or args["size_average"] is not None \
+    args = _bound(node)
+    if args is None or args["weight"] is not None or args["size_average"] is not None \
             or args["reduce"] is not None:
         return None
     ignore_index, reduction = args["ignore_index"], args["reduction"]
     if isinstance(ignore_index, torch.fx.Node) or not isinstance(reduction, str):
         return None
     return args["target"], int(ignore_index), reduction
+
+
+def _bound(node: torch.fx.Node) -> dict[str, Any] | None:
+    """Every argument of an ``F.cross_entropy`` / ``F.nll_loss`` call by name, positional or
+    keyword as the call gave them (defaults filled in); None when they do not bind."""
+    try:
+        bound = _SIGNATURES[node.target].bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
@@ -157,11 +163,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
         if key is torch.ops.zeroc.linear_cross_entropy.default:
             node.args = (*node.args[:5], "sum", *node.args[6:])
         else:  # every argument by keyword: the call may have given reduction by position
-            bound = _SIGNATURES[node.target].bind(*node.args, **node.kwargs)
-            first, second = list(bound.arguments)[:2]
-            node.args = (bound.arguments[first], bound.arguments[second])
-            node.kwargs = {**{k: v for k, v in bound.arguments.items()
-                              if k not in (first, second)}, "reduction": "sum"}
+            named = _bound(node)
+            first, second = list(named)[:2]
+            node.args = (named.pop(first), named.pop(second))
+            node.kwargs = {**named, "reduction": "sum"}
         return "token_mean", _count_graph(gm, target, ignore_index)
     if key in _SUM and len(node.args) == 1 and not node.kwargs.get("dim"):
         return "sum", None

@@ -152,16 +152,20 @@ def read_cached(path: str, key: Mapping[str, Any], what: str, logger: logging.Lo
 
 def write_cached(root: str, path: str, key: Mapping[str, Any], profile: HardwareProfile,
                  what: str, logger: logging.Logger) -> None:
-    """Store ``profile`` for ``key`` in ``path`` (under ``root``, both made with mode 0o700)
-    through a temporary file and ``os.replace``; a failure is only logged."""
+    """Store ``profile`` for ``key`` in ``path`` (see ``write_json``)."""
+    write_json(root, path, {"key": dict(key), "profile": profile.to_dict()}, what, logger)
+
+
+def write_json(root: str, path: str, data: Any, what: str, logger: logging.Logger) -> None:
+    """Store ``data`` as JSON in ``path`` (under ``root``, both made with mode 0o700) through a
+    temporary file and ``os.replace``; a failure is only logged."""
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)  # makedirs gives the mode to the leaf only
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump({"key": dict(key), "profile": profile.to_dict()}, handle, indent=1,
-                          sort_keys=True)
+                json.dump(data, handle, indent=1, sort_keys=True)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import flop_registry
 
 from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP, collective_bytes
 from zeroc.runtime.op_timing import encode_call
+from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import GraphInfo, NodeCost
 
 # Adam and AdamW keep two state tensors (exp_avg, exp_avg_sq) per parameter.
@@ -86,7 +87,9 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     packet = _packet(node.target)
     args = torch.fx.node.map_arg(node.args, _node_value)
     kwargs = torch.fx.node.map_arg(node.kwargs, _node_value)
-    call = encode_call(node.target, args, kwargs)
+    # Only a plan's step estimate times calls (zeroc.runtime.op_timing); a training compile
+    # keeps none.
+    call = encode_call(node.target, args, kwargs) if PLANNING.device is not None else ""
     if packet in _ALIAS_PACKETS:
         return NodeCost(name, target, 0, 0, call)
     in_tensors = _tensors((args, kwargs))

@@ -33,6 +33,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from zeroc.runtime.calibration import write_json
+from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
+
 __all__ = ["OpTimes", "encode_call", "op_times_for"]
 
 log = logging.getLogger(__name__)
@@ -200,8 +203,6 @@ class OpTimes:
     """Measured seconds per encoded call on this machine's CPU (see the module docstring)."""
 
     def __init__(self, cache_dir: str | None = None, ranks_per_machine: int = 1) -> None:
-        from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
-
         self.device = torch.device("cpu")
         # Ops are timed alone; ranks sharing fewer cores than their threads each get a share.
         threads = ranks_per_machine * torch.get_num_threads()
@@ -211,8 +212,7 @@ class OpTimes:
                "method": _METHOD}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
-        self.path = os.path.join(root, "op_times", f"ops-{digest}.json")
-        self.root = root
+        self.root, self.path = root, os.path.join(root, "op_times", f"ops-{digest}.json")
         self.times: dict[str, float | None] = self._read()
         self.measured = 0
 
@@ -226,7 +226,7 @@ class OpTimes:
                 return data
             log.info("op timing: %s is not a table of times; measuring again", self.path)
         except FileNotFoundError:
-            pass
+            return {}  # nothing timed on this machine yet
         except (OSError, ValueError) as error:
             log.info("op timing: cannot read %s (%s); measuring again", self.path, error)
         return {}
@@ -257,18 +257,11 @@ class OpTimes:
         return None if seconds is None else seconds * self.scale
 
     def save(self) -> None:
-        """Persist the table (mode 0o700 directories, written through a temporary file);
-        a failure is only logged."""
+        """Persist the table (private directories, through a temporary file); a failure is
+        only logged."""
         if not self.measured:
             return
-        try:
-            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-            temporary = f"{self.path}.{os.getpid()}.tmp"
-            with open(temporary, "w", encoding="utf-8") as handle:
-                json.dump(self.times, handle)
-            os.replace(temporary, self.path)
-        except OSError as error:
-            log.info("op timing: cannot write %s (%s)", self.path, error)
+        write_json(self.root, self.path, self.times, "op timing table", log)
         log.debug("op timing: measured %d calls (%d known) for %s", self.measured,
                   len(self.times), self.path)
         self.measured = 0
