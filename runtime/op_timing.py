@@ -6,9 +6,9 @@ and transcendental pointwise ops (GELU, exp) are compute-bound far under it, and
 is a Python call through the dispatcher. When the plan is for this machine, the estimate
 times each op itself instead: ``encode_call`` records a node's call (its ``OpOverload``, the
 shapes, strides and dtypes of its tensor arguments and its other arguments as plain values)
-in the plan's ``NodeCost.call``; ``OpTimes.seconds`` rebuilds the call on real tensors
-(random floats, zero integers: valid indices and targets for every op that reads them), runs
-it a few times and keeps the median, once per distinct call. Results persist under
+in the plan's ``NodeCost.call`` (while planning); ``OpTimes.seconds`` rebuilds the call on
+real tensors (random floats, zero integers: valid indices and targets for every op that reads
+them), runs it a few times and keeps the median, once per distinct call. Results persist under
 ``<cache_dir>/op_times/``, keyed by CPU model, core count, torch version, thread count and
 the timing method, so a second plan of the same shapes measures nothing. Between two timed
 calls 1 MiB is written: in a graph other ops run between two calls of one op, so its
