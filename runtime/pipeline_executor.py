@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from zeroc.runtime import fake_replay
 from zeroc.runtime.actions import Action, ActionKind, Schedule, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
@@ -285,7 +286,7 @@ class PipelineExecutor:
     def _forward(self, stage: int, microbatch: int) -> None:
         program = self.stages[stage]
         run = program.forward if self._train or program.inference is None else program.inference
-        outs = run(*self.forward_args(stage, microbatch))
+        outs = _run(run, *self.forward_args(stage, microbatch))
         self.forward_results(stage, microbatch, tuple(outs))
 
     def _deliver(self, kind: str, stage: int, microbatch: int,
@@ -357,10 +358,10 @@ class PipelineExecutor:
         program = self.stages[stage]
         args = self.backward_args(stage, microbatch)
         if not split:
-            outs = tuple(program.backward(*args))
+            outs = tuple(_run(program.backward, *args))
             self.backward_results(stage, microbatch, outs, (*args, *outs))
             return
-        outs = tuple(program.input_grad(*args))
+        outs = tuple(_run(program.input_grad, *args))
         stash = list(outs[program.num_input_grads:])
         self._pending_w[(stage, microbatch)] = stash + [args[j] for j in program.w_inputs]
         inputs = outs[:program.num_input_grads]
@@ -369,17 +370,23 @@ class PipelineExecutor:
     def _weight(self, stage: int, microbatch: int) -> None:
         program = self.stages[stage]
         args = self._pending_w.pop((stage, microbatch))
-        grads = tuple(program.weight_grad(*args))
+        grads = tuple(_run(program.weight_grad, *args))
         self._accumulate(program, grads, (*args, *grads))
 
     def _overlapped(self, action: Action, graph: Callable[..., Any]) -> None:
         f_args = self.forward_args(action.stage, action.microbatch)
         b_args = self.backward_args(action.b_stage, action.b_microbatch)
-        outs = tuple(graph(*f_args, *b_args))
+        outs = tuple(_run(graph, *f_args, *b_args))
         n_fwd = graph.num_forward_outputs
         self.forward_results(action.stage, action.microbatch, outs[:n_fwd])
         self.backward_results(action.b_stage, action.b_microbatch, outs[n_fwd:],
                               (*f_args, *b_args, *outs))
+
+
+def _run(graph: Callable[..., Any], *args: Any) -> Any:
+    """``graph(*args)``; on a planned step's fake tensors, replayed after its first run with
+    the same input shapes (``zeroc.runtime.fake_replay``)."""
+    return fake_replay.call(graph, *args) if PLANNING.simulated else graph(*args)
 
 
 def _storage_counts(values: tuple[Any, ...]) -> dict[int, int]:

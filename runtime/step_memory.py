@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["StepMemory", "tracking", "tracking_scope"]
+__all__ = ["StepMemory", "current_tracker", "tracking", "tracking_scope"]
 
 
 class _Current(threading.local):
@@ -50,6 +50,10 @@ class StepMemory(TorchDispatchMode):
             if isinstance(value, torch.Tensor) and not getattr(value, "is_meta", False):
                 self._record(value)
         return out
+
+    def note(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as if an op had just made it (once per storage)."""
+        self._record(tensor)
 
     def _record(self, tensor: torch.Tensor) -> None:
         try:
@@ -77,6 +81,11 @@ class StepMemory(TorchDispatchMode):
             yield self
         finally:
             _CURRENT.tracker = previous
+
+
+def current_tracker() -> StepMemory | None:
+    """The tracker recording the graphs running now (inside ``tracking_scope``), if any."""
+    return _CURRENT.tracker if _CURRENT.depth else None
 
 
 def tracking() -> bool:

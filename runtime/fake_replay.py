@@ -1,0 +1,244 @@
+"""Run a graph once per input signature on fake tensors; after that, replay what it made.
+
+A planned step (``zeroc.fake_world``) runs every stage graph once per micro-batch on fake
+tensors: with 16 micro-batches the same forward runs 16 times on inputs of the same shapes
+and produces outputs of the same shapes each time, which costs seconds of fake dispatch per
+pipeline position and tells nothing new. ``call(graph, args)`` runs ``graph`` for real on
+the first call with a given input signature (shapes, strides, dtypes, devices, which inputs
+share storage) and records:
+
+- each output: a fresh storage (its size in bytes, and whether the output is a view of it),
+  a view of one of the inputs (which, and how), the input itself, or a non-tensor constant;
+- the most bytes alive at once among the storages the graph made, and which of its inputs'
+  storages an op gave out (a ``StepMemory`` tracker counts those when it first sees them).
+
+A later call with the same signature shows the step's tracker the inputs' storages it gave
+out, raises the tracker's peak by the recorded transient and makes the outputs again (fresh
+fake storages of the recorded sizes, the same views of its own inputs), so the step's memory
+figures are those of running the graph: the same storages live after it, the same peak.
+
+Only graphs that are pure on plain fake tensors are replayed: no collective or ZeRO op
+inside (those must be issued every time), no input or output that is a tensor subclass or
+requires a gradient, outputs whose storage is explained by the rules above. Anything else
+runs every time. Real tensors always run: replaying is for fake tensors, which hold no values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from zeroc.runtime.step_memory import StepMemory, current_tracker
+
+__all__ = ["call", "replayable"]
+
+# Ops that talk to other ranks or count calls: a graph holding one runs every time.
+_UNREPLAYABLE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+_UNREPLAYABLE_OPS = frozenset({"unshard", "reduce_grad", "rank_chunk_mean"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fresh:
+    """An output in a storage the graph made: ``nbytes`` of ``dtype`` on ``device``."""
+
+    group: int  # outputs of one group share one storage
+    nbytes: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    view: bool  # made as a view of its storage's base (``_base`` set), else allocated
+
+
+@dataclasses.dataclass(frozen=True)
+class _OfInput:
+    """An output that is input ``index`` itself, or a view of it."""
+
+    index: int
+    same: bool
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant:
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    outputs: tuple[Any, ...]
+    transient: int  # the most bytes of storages the graph made alive at once
+    touched: tuple[int, ...]  # inputs whose storage an op of the graph gave out
+    as_tuple: bool
+
+
+# graph -> {input signature -> _Record, or None when the graph cannot be replayed}
+_RECORDS: weakref.WeakKeyDictionary[Any, dict[Any, _Record | None]] = weakref.WeakKeyDictionary()
+_PURE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def replayable(graph: Any) -> bool:
+    """Whether ``graph`` (an ``fx.GraphModule``, or a callable whose ``gm`` is one) holds no
+    op that must run every time."""
+    if graph in _PURE:
+        return _PURE[graph]
+    gm = getattr(graph, "gm", graph)  # an F&B graph wraps its GraphModule
+    pure = isinstance(gm, torch.fx.GraphModule)
+    if pure:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":  # a tensor method is an op; a module may not be
+                pure = node.op in ("placeholder", "output", "get_attr", "call_method")
+            else:
+                namespace = getattr(node.target, "namespace", None)
+                name = getattr(getattr(node.target, "_schema", None), "name", "")
+                pure = namespace not in _UNREPLAYABLE_NAMESPACES and not (
+                    namespace == "zeroc" and name.split("::")[-1] in _UNREPLAYABLE_OPS)
+            if not pure:
+                break
+    _PURE[graph] = pure
+    return pure
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The inputs' metadata and storage sharing, or None when one is not a plain fake."""
+    storages: dict[int, int] = {}
+    parts = []
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            if type(value) is not FakeTensor or value.requires_grad:
+                return None
+            first = storages.setdefault(value.untyped_storage()._cdata, index)
+            parts.append((tuple(value.shape), value.stride(), value.storage_offset(),
+                          value.dtype, value.device, first))
+        elif value is None or isinstance(value, (bool, int, float)):
+            parts.append(("value", value))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _describe(outs: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """How to make ``outs`` again from new inputs, or None if the rules cannot say."""
+    inputs = {}
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            inputs.setdefault(value.untyped_storage()._cdata, index)
+    groups: dict[int, tuple[int, int, torch.dtype]] = {}  # storage -> group, nbytes, dtype
+    owned: set[int] = set()  # storages one output (no view) owns
+    described = []
+    for out in outs:
+        if not isinstance(out, torch.Tensor):
+            if out is not None and not isinstance(out, (bool, int, float)):
+                return None
+            described.append(_Constant(out))
+            continue
+        if type(out) is not FakeTensor or out.requires_grad:
+            return None
+        key = out.untyped_storage()._cdata
+        layout = (tuple(out.shape), out.stride(), out.storage_offset())
+        if key in inputs:
+            source = args[inputs[key]]
+            if source.dtype != out.dtype:
+                return None
+            described.append(_OfInput(inputs[key], out is source, *layout))
+            continue
+        nbytes = out.untyped_storage().nbytes()
+        group = groups.setdefault(key, (len(groups), nbytes, out.dtype))
+        view = out._base is not None
+        if group[2] != out.dtype or nbytes % out.element_size() or (not view and (
+                out.storage_offset() or nbytes != _span(out) * out.element_size()
+                or key in owned)):
+            return None  # e.g. one tensor returned twice: run such a graph every time
+        if not view:
+            owned.add(key)
+        described.append(_Fresh(group[0], nbytes, *layout, out.dtype, out.device, view))
+    return tuple(described)
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """Elements from the first to one past the last one ``tensor`` can address."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+
+
+def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
+    # A storage's base: its output that is no view (made first, so the views see it as
+    # their ``_base`` as they did), else a flat tensor over the whole storage.
+    bases: dict[int, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    for index, out in enumerate(record.outputs):
+        if isinstance(out, _Fresh) and not out.view:
+            made[index] = bases[out.group] = torch.empty_strided(
+                out.size, out.stride, dtype=out.dtype, device=out.device)
+    outs = []
+    for index, out in enumerate(record.outputs):
+        if isinstance(out, _Constant):
+            outs.append(out.value)
+        elif isinstance(out, _OfInput):
+            source = args[out.index]
+            outs.append(source if out.same else
+                        source.as_strided(out.size, out.stride, out.offset))
+        elif not out.view:
+            outs.append(made[index])
+        else:
+            base = bases.get(out.group)
+            if base is None:
+                numel = out.nbytes // torch.empty((), dtype=out.dtype, device="meta").element_size()
+                base = bases[out.group] = torch.empty(numel, dtype=out.dtype, device=out.device)
+            outs.append(base.as_strided(out.size, out.stride, out.offset))
+    return tuple(outs) if record.as_tuple else outs
+
+
+class _GraphMemory(StepMemory):
+    """The bytes of the storages one graph run makes, apart from its inputs' (which existed
+    before it), and which inputs an op of it gave out (a view of a weight, say): a step's
+    tracker counts such a storage the first time it sees it, so a replay shows it those."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.inputs = {}
+        for index, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                self.inputs.setdefault(value.untyped_storage()._cdata, index)
+        self.touched: set[int] = set()
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        index = self.inputs.get(tensor.untyped_storage()._cdata)
+        if index is None:
+            super()._record(tensor)
+        else:
+            self.touched.add(index)
+
+
+def call(graph: Any, *args: Any) -> Any:
+    """``graph(*args)``, replayed when it ran before on inputs of the same signature."""
+    if not replayable(graph):
+        return graph(*args)
+    signature = _signature(args)
+    if signature is None:
+        return graph(*args)
+    records = _RECORDS.setdefault(graph, {})
+    record = records.get(signature, False)
+    if record:
+        tracker = current_tracker()
+        if tracker is not None:
+            for index in record.touched:
+                tracker.note(args[index])
+            tracker.peak = max(tracker.peak, tracker.live + record.transient)
+        return _remake(record, args)
+    with _GraphMemory(args) as own:  # inside the step's tracker, if any: it sees the run too
+        outs = graph(*args)
+    if record is False:
+        described = _describe(outs, args) if isinstance(outs, (tuple, list)) else None
+        records[signature] = None if described is None else _Record(
+            described, own.peak, tuple(sorted(own.touched)), isinstance(outs, tuple))
+    return outs

@@ -1,0 +1,93 @@
+"""Replaying a graph's outputs on fake tensors (``zeroc.runtime.fake_replay``).
+
+A replayed call must leave the step's memory tracker exactly where running the graph would:
+the same bytes live after it, the same peak, outputs with the same aliasing (views of inputs,
+outputs sharing one storage, ``_base`` set where it was). A planned pipeline's memory rows are
+the same with replaying and without. Graphs holding a collective run every time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from models.gpt import GPT, GPTConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import zeroc
+from zeroc.runtime import fake_replay
+from zeroc.runtime.step_memory import StepMemory, tracking_scope
+
+
+def _graph() -> torch.fx.GraphModule:
+    def body(x: torch.Tensor, w: torch.Tensor):
+        h = torch.relu(x @ w)  # a transient product, freed inside
+        qkv = (h * 2).reshape(4, 3, 8)
+        q, k, v = qkv.unbind(1)  # three views of one fresh storage
+        return q, k, v, w.t(), x, (h + 1).sum()
+
+    return torch.fx.symbolic_trace(body)
+
+
+def _run(call, graph, x, w):
+    tracker = StepMemory()
+    with tracker.active(), tracking_scope():
+        outs = call(graph, x, w)
+        live = tracker.live
+    return outs, live, tracker.peak
+
+
+def test_a_replay_leaves_the_tracker_where_a_run_does() -> None:
+    graph = _graph()
+    assert fake_replay.replayable(graph)
+    with FakeTensorMode():
+        x, w = torch.empty(4, 16), torch.empty(16, 24)
+        run_outs, run_live, run_peak = _run(lambda g, *a: g(*a), graph, x, w)
+        fake_replay.call(graph, x, w)  # learns
+        x2, w2 = torch.empty(4, 16), torch.empty(16, 24)
+        outs, live, peak = _run(fake_replay.call, graph, x2, w2)
+    assert (live, peak) == (run_live, run_peak)
+    q, k, v, wt, xo, total = outs
+    assert q.untyped_storage()._cdata == k.untyped_storage()._cdata == v.untyped_storage()._cdata
+    assert wt.untyped_storage()._cdata == w2.untyped_storage()._cdata and wt.shape == (24, 16)
+    assert xo is x2
+    assert [o._base is not None for o in outs] == [o._base is not None for o in run_outs]
+    assert [(o.shape, o.stride(), o.dtype) for o in outs] == [
+        (o.shape, o.stride(), o.dtype) for o in run_outs]
+
+
+def test_a_new_input_shape_runs_the_graph_again() -> None:
+    graph = _graph()
+    runs = []
+    graph.register_forward_pre_hook(lambda module, args: runs.append(args[0].shape))
+    with FakeTensorMode():
+        w = torch.empty(16, 24)
+        for rows in (4, 4, 6, 6, 4):
+            fake_replay.call(graph, torch.empty(rows, 16), w)
+    assert runs == [(4, 16), (6, 16)]
+
+
+def test_a_graph_holding_a_collective_always_runs() -> None:
+    graph = torch.fx.GraphModule({}, torch.fx.Graph())
+    x = graph.graph.placeholder("x")
+    reduced = graph.graph.call_function(torch.ops._c10d_functional.all_reduce.default,
+                                        (x, "sum", "0"))
+    graph.graph.output((reduced,))
+    graph.recompile()
+    assert not fake_replay.replayable(graph)
+    assert fake_replay.replayable(_graph())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_planned_memory_is_the_same_replayed_or_run(schedule: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def plan():
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32))
+        tokens = torch.zeros(8, 16, dtype=torch.long)
+        result = zeroc.explain(model, (tokens, tokens), world=4, pp=2, zero=3, device="cpu",
+                               options={"schedule": schedule, "microbatches": 4})
+        return [(m.rank, m.params, m.grads, m.optimizer, m.peak) for m in result.memory]
+
+    replayed = plan()
+    monkeypatch.setattr(fake_replay, "replayable", lambda graph: False)
+    assert plan() == replayed
