@@ -36,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
+from zeroc.plan_capture import SharedTrace
 from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["PositionPlan", "fake_world", "meta_copy", "plan_position"]
@@ -203,10 +204,14 @@ def _explain_value_read(error: Exception) -> None:
 
 def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: int, pp: int,
                   zero: int, device: str, options: dict | None,
-                  mixed_precision: Any = None) -> PositionPlan:
-    """Plan global rank ``rank`` of a ``world``-rank job: one fake training step."""
+                  mixed_precision: Any = None, trace: SharedTrace | None = None) -> PositionPlan:
+    """Plan global rank ``rank`` of a ``world``-rank job: one fake training step.
+
+    ``trace``: with ``pp > 1``, Dynamo's graph shared by the positions of one world
+    (``zeroc.plan_capture``): taken here if it is empty, compiled here if it can be reused."""
 
     import zeroc
+    from zeroc.explain import build_plan
 
     started = time.perf_counter()
     replica = meta_copy(model)
@@ -214,9 +219,15 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
         target = PLANNING.device
         args, kwargs = _fake_inputs(example_inputs, target)
         parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision)
-        compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
         optimizer = torch.optim.AdamW(parallel.parameters())
+        session = None
         try:  # compiled outside the tracker: its module hooks would split Dynamo's graph
+            if trace is not None and pp > 1 and trace.gm is None:
+                trace.trace(parallel, args, kwargs)
+            if trace is not None and trace.reusable:
+                compiled, session = trace.compile(parallel, args, kwargs, options)
+            else:
+                compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
             loss = _loss_of(compiled(*args, **kwargs))
         except Exception as error:
             _explain_value_read(error)
@@ -224,7 +235,7 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
         del loss
         memory = measured_step(compiled, parallel, optimizer, args, kwargs,
                                _backward_for(device))
-        plan = zeroc.explain(compiled)
+        plan = zeroc.explain(compiled) if session is None else build_plan(session)
     seconds = time.perf_counter() - started
     log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)
     return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds)

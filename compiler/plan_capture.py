@@ -1,0 +1,194 @@
+"""One Dynamo trace for every pipeline position of a planned world.
+
+``zeroc.explain(model, inputs, world=W, pp=P)`` runs one fake training step per pipeline
+position (``zeroc.fake_world``). Every position compiles the same Dynamo graph of the same
+model: only its process-group rank differs, and with it which stages it compiles and which
+parameters it keeps. Dynamo's trace of a parallelized model is the slowest part of planning
+a large one (about half of a Llama-7B-shaped position), so ``SharedTrace`` traces once, on the
+first position, and gives that graph to zeroc's pipeline compiler on every position, with the
+position's own parameters and inputs in the graph's input order.
+
+The trace is taken with a backend that keeps the graph and compiles nothing; the call that
+traced stops there (``_Traced``), so no step runs twice. It is shared when it can be shared
+faithfully, else each position traces the model itself:
+
+- Dynamo made one graph of the whole forward (one backend call);
+- its batch dimension is symbolic (``zeroc.parallelize(pp > 1)`` asks for that), so the
+  pipeline compiler specializes copies of it and never changes the graph itself;
+- every graph input is found on the first position's model: a parameter, a buffer, a tensor
+  in a module's ``__dict__`` (the flat buffers behind parallelized parameters), a tensor the
+  caller passed, or a size.
+
+The graph names the process groups it reduces over (``zeroc::unshard``'s data-parallel
+group): a position gets a copy naming its own groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from zeroc.config import Config
+from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
+from zeroc.session import CompileSession
+
+__all__ = ["SharedTrace"]
+
+log = logging.getLogger(__name__)
+
+_GROUP_OP_NAMESPACES = frozenset({"zeroc", "_c10d_functional", "c10d_functional"})
+
+
+class _Traced(Exception):
+    """Raised by the tracing backend's graph: the trace is kept, the call goes no further."""
+
+
+def _places(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple]:
+    """Where each tensor a graph may take as input lives, by the tensor's id."""
+    where: dict[int, tuple] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, value in module._parameters.items():
+            if value is not None:
+                where.setdefault(id(value), ("param", path, name))
+        for name, value in module._buffers.items():
+            if value is not None:
+                where.setdefault(id(value), ("buffer", path, name))
+        for name, value in module.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                where.setdefault(id(value), ("attr", path, name))
+    for index, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            where.setdefault(id(value), ("arg", index))
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            where.setdefault(id(value), ("kwarg", name))
+    return where
+
+
+def _find(place: tuple, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    kind = place[0]
+    if kind == "arg":
+        return args[place[1]]
+    if kind == "kwarg":
+        return kwargs[place[1]]
+    module = model.get_submodule(place[1])
+    if kind == "param":
+        return module._parameters[place[2]]
+    if kind == "buffer":
+        return module._buffers[place[2]]
+    return module.__dict__[place[2]]
+
+
+def _group_names(example_inputs: list[Any]) -> tuple[str, str]:
+    layout = pipeline_layout_of(example_inputs)
+    return (layout.mesh.dp_group_name, layout.mesh.pp_group_name) if layout else ("", "")
+
+
+def _namespace(target: Any) -> str | None:
+    """The op namespace of an FX target (``torch.ops.zeroc.unshard`` or its ``.default``)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target._qualified_op_name.split("::")[0] if isinstance(
+            target, torch._ops.OpOverloadPacket) else target.namespace
+    return None
+
+
+def _renamed_groups(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose collective ops name the groups ``names`` maps to."""
+    names = {old: new for old, new in names.items() if old and old != new}
+    if not names:
+        return gm
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        copied = graph.node_copy(node, lambda n: env[n])
+        if _namespace(node.target) in _GROUP_OP_NAMESPACES:
+            copied.args = tuple(names.get(a, a) if isinstance(a, str) else a
+                                for a in copied.args)
+            copied.kwargs = {k: names.get(v, v) if isinstance(v, str) else v
+                             for k, v in copied.kwargs.items()}
+        env[node] = copied
+    return torch.fx.GraphModule(gm, graph)
+
+
+class SharedTrace:
+    """Dynamo's graph of a model, traced on the first pipeline position, compiled on each."""
+
+    def __init__(self) -> None:
+        self.gm: torch.fx.GraphModule | None = None
+        self.places: list[tuple] | None = None
+        self.example_inputs: list[Any] = []  # the first position's (sizes are SymInts)
+        self.sizes: dict[int, int] = {}  # graph input -> the size the traced call passed
+        self.graphs = 0
+        self.reusable = False
+
+    def _backend(self, model: nn.Module, args: tuple, kwargs: dict
+                 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
+        def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            self.graphs += 1
+            self.gm, self.example_inputs = gm, list(example_inputs)
+            where = _places(model, args, kwargs)
+            places: list[tuple] | None = []
+            for index, value in enumerate(example_inputs):
+                if isinstance(value, torch.SymInt):
+                    places.append(("size", index))
+                elif isinstance(value, torch.Tensor) and id(value) in where:
+                    places.append(where[id(value)])
+                else:
+                    places = None
+                    break
+            self.places = places
+            from zeroc.pipeline_capture import remember_sources
+
+            remember_sources(gm)  # Dynamo drops the inputs' sources once this returns
+
+            def stop(*call_args: Any) -> Any:
+                for index, value in enumerate(call_args):
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        self.sizes[index] = value
+                raise _Traced
+
+            return stop
+
+        return keep
+
+    def trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Trace ``model`` (parallelized, on this position's fake tensors) with Dynamo."""
+        traced = torch.compile(model, backend=self._backend(model, args, kwargs))
+        try:
+            traced(*args, **kwargs)
+        except _Traced:
+            pass
+        else:
+            self.graphs = 2  # the forward ran to its end without reaching the graph
+        self.reusable = (self.graphs == 1 and self.places is not None
+                         and any(p[0] == "size" for p in self.places))
+        log.debug("zeroc: shared trace: %d graph(s), %s", self.graphs,
+                  "reused by every position" if self.reusable else "not reusable")
+
+    def compile(self, model: nn.Module, args: tuple, kwargs: dict, options: dict | None
+                ) -> tuple[Callable[..., torch.Tensor], CompileSession]:
+        """This position's pipelined step of the traced graph and the session recording it:
+        ``step(*args, **kwargs)`` runs it and returns the loss."""
+        assert self.gm is not None and self.places is not None
+        inputs = [self.example_inputs[p[1]] if p[0] == "size" else _find(p, model, args, kwargs)
+                  for p in self.places]
+        groups = dict(zip(_group_names(self.example_inputs), _group_names(inputs), strict=True))
+        gm = _renamed_groups(self.gm, groups)
+        from zeroc.backend import _with_tuned_options
+
+        config = Config.build(None, _with_tuned_options(inputs, options))
+        session = CompileSession(config)
+        compiled = compile_pipeline(gm, inputs, config, session, pipeline_layout_of(inputs))
+
+        def step(*call_args: Any, **call_kwargs: Any) -> torch.Tensor:
+            flat = [self.sizes[p[1]] if p[0] == "size" else _find(p, model, call_args, call_kwargs)
+                    for p in self.places]
+            outs = compiled(*flat)
+            return next(v for v in outs if isinstance(v, torch.Tensor) and not v.is_meta)
+
+        return step, session
