@@ -33,22 +33,20 @@ from torch import nn
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
+from zeroc import stage_reuse
 from zeroc.codegen.inductor_graphs import inductor_decompositions, kernel_path
 from zeroc.config import Config
 from zeroc.log_setup import CompileProgress, decisions
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
-from zeroc.passes.hoist_unshard import full_size_inputs, hoist_unshards
-from zeroc.passes.loss_normalization import normalize_loss
-from zeroc.passes.loss_output import LossOutput, keep_loss_output
-from zeroc.passes.microbatch_shapes import microbatch_graph
+from zeroc.passes.hoist_unshard import full_size_inputs
+from zeroc.passes.loss_output import LossOutput
 from zeroc.passes.overlap_fb import overlap_forward_backward
 from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
-from zeroc.passes.schedule import build_schedule
-from zeroc.passes.specialize_shapes import microbatch_inputs, size_inputs, specialize
-from zeroc.passes.split_stages import StageSplit, split_stages
+from zeroc.passes.specialize_shapes import size_inputs
+from zeroc.passes.split_stages import StageSplit
 from zeroc.passes.split_weight_grad import split_weight_grad
+from zeroc.pipeline_front import pipeline_front, remember_sources
 from zeroc.runtime.actions import ActionKind, Schedule
 from zeroc.runtime.cost import graph_info, tensor_bytes
 from zeroc.runtime.pipeline_executor import (
@@ -79,86 +77,6 @@ def pipeline_layout_of(example_inputs: list[Any]) -> ZeroLayout | None:
         if layout is not None and layout.pp > 1:
             return layout
     return None
-
-
-def default_microbatches(schedule: str, pp: int) -> int:
-    """Micro-batches when the user gives none: the stages, or the schedule's minimum."""
-    stages = 2 * pp if schedule == "dualpipev" else pp
-    return max(stages, 2 * pp) if schedule in ("dualpipe", "dualpipev") else stages
-
-
-USER_INPUT_META = "zeroc_user_input"
-
-
-def _is_user_input(node: torch.fx.Node) -> bool:
-    """Whether a placeholder is a tensor the caller passed (not a module's buffer or
-    attribute): its Dynamo source is a local of the forward other than ``self``, reached
-    without passing through a module. Read from Dynamo's ``grapharg``, or from what
-    ``remember_sources`` kept of it (Dynamo drops ``grapharg`` once the backend returns)."""
-    if USER_INPUT_META in node.meta:
-        return node.meta[USER_INPUT_META]
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    if source is None:
-        return False
-    text = source.name() if callable(source.name) else str(source.name)
-    while getattr(source, "base", None) is not None:
-        if "Module" in type(source).__name__ or "ParamBuffer" in type(source).__name__:
-            return False
-        source = source.base
-    name = getattr(source, "local_name", None)
-    return name is not None and name != "self" and not text.startswith("G[") and all(
-        part not in text for part in ("._modules[", "._buffers[", "._parameters["))
-
-
-def remember_sources(gm: torch.fx.GraphModule) -> None:
-    """Keep what later compiles need of each placeholder's Dynamo source in its meta."""
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            node.meta[USER_INPUT_META] = _is_user_input(node)
-            node.meta[SOURCE_NAME_META] = source_name(node)
-
-
-def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
-                  params: set[int]) -> tuple[set[int], int]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    batch = {i for i, (n, v) in enumerate(zip(placeholders, inputs, strict=False))
-             if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
-             and _is_user_input(n)}
-    sizes = {placeholders[i].name: int(inputs[i].shape[0]) for i in sorted(batch)}
-    if not sizes:
-        raise ValueError("zeroc pipeline: the model takes no tensor input to cut into "
-                         "micro-batches; pass the batch as tensors (batch in dimension 0)")
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"zeroc pipeline: every tensor input is cut into micro-batches along "
-                         f"dimension 0, so they need one batch size; got {sizes}")
-    return batch, next(iter(sizes.values()))
-
-
-def _where(node: torch.fx.Node | None) -> str:
-    """``file:line (code)`` of the user's source line that traced ``node``."""
-    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
-    frames = [line.strip() for line in trace.strip().splitlines()]
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].startswith("File "):
-            code = frames[i + 1] if i + 1 < len(frames) else ""
-            place = frames[i].removeprefix("File ").replace('"', "")
-            return f"{place}: {code}" if code else place
-    return "an unknown line"
-
-
-def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int]) -> None:
-    if len(params) >= len(layout.params):
-        return
-    ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
-    raise ValueError(
-        f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
-        f"parameters; with pp={layout.pp} the whole forward must be one graph. Dynamo split "
-        f"it: this graph runs from {_where(ops[0] if ops else None)} to "
-        f"{_where(ops[-1] if ops else None)}, and the break is right before or after that. "
-        "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
-        "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
-        "parameters"
-    )
 
 
 @dataclasses.dataclass
@@ -197,7 +115,7 @@ def compile_pipeline(
     return _checked_compile(gm, example_inputs, config, session, layout)
 
 
-def _checked_compile(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+def _checked_compile(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,
                      session: CompileSession, layout: ZeroLayout,
                      dynamic_gm: torch.fx.GraphModule | None = None) -> Callable[..., Any]:
     try:
@@ -222,72 +140,36 @@ class _PerSizePipelines:
         step = self.compiled.get(key)
         if step is None:
             step = self.compiled[key] = _checked_compile(
-                specialize(self.gm, list(args)), list(args), self.config, self.session,
-                self.layout, dynamic_gm=self.gm)
+                None, list(args), self.config, self.session, self.layout, dynamic_gm=self.gm)
         return step(*args)
 
 
 def _compile_pipeline(
-    gm: torch.fx.GraphModule,
+    gm: torch.fx.GraphModule | None,
     example_inputs: list[Any],
     config: Config,
     session: CompileSession,
     layout: ZeroLayout,
     dynamic_gm: torch.fx.GraphModule | None = None,
 ) -> Callable[..., Any]:
-    """``gm``: the graph at the call's sizes. ``dynamic_gm``: the same graph with a symbolic
-    batch dimension, if Dynamo gave one: the stages are then traced from it at the
-    micro-batch size; otherwise ``gm``'s batch-size constants are rewritten."""
+    """``gm``: the graph at the call's sizes (None: ``dynamic_gm`` specialized to them).
+    ``dynamic_gm``: the same graph with a symbolic batch dimension, if Dynamo gave one: the
+    stages are then traced from it at the micro-batch size; otherwise ``gm``'s batch-size
+    constants are rewritten."""
     progress = CompileProgress(log, "pipeline")
-    params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
-    _check_one_graph(gm, layout, params)
-    loss_output = keep_loss_output(gm, params)
-    batch_inputs, batch = _batch_inputs(gm, example_inputs, params)
-    pp = layout.pp
-    microbatches = config.microbatches or default_microbatches(config.schedule, pp)
-    if batch % microbatches:
-        raise ValueError(
-            f"zeroc pipeline: microbatches={microbatches} does not divide the batch of "
-            f"{batch}; use a batch that is a multiple of {microbatches} or a microbatches "
-            f"option that divides {batch}"
-        )
-    try:
-        schedule = build_schedule(config.schedule, pp, microbatches)
-    except ValueError as error:
-        raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
-                         f"microbatches={microbatches}: {error}") from None
     prefix = f"g{session.next_graph_index()}"
     progress.what = prefix
-    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
-                           dynamo_code=graph_text(gm))
+    front = pipeline_front(gm, example_inputs, config, layout, prefix, dynamic_gm)
+    params, batch_inputs, batch = set(front.params), set(front.batch_inputs), front.batch
+    microbatches, schedule, split = front.microbatches, front.schedule, front.split
+    loss_output, normalization, names = front.loss_output, front.normalization, list(front.names)
+    hoisted, microbatch = front.hoisted, front.microbatch
+    pp = layout.pp
+    record = CompiledGraph(prefix=prefix, params=front.param_infos,
+                           dynamo_code=front.dynamo_code, passes=list(front.passes))
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
-    microbatch = batch // microbatches
-    micro_inputs = None if dynamic_gm is None else microbatch_inputs(
-        dynamic_gm, example_inputs, batch_inputs, microbatch)
-    # Stage graphs are always traced for training (a no_grad call runs their forwards only).
-    # The full-batch graph gets the passes too, even when the stages come from the
-    # micro-batch graph: the loss normalization reads the loss as the passes leave it
-    # (Hugging Face's loss call is only recognised after them).
-    full = run_dynamo_passes(gm, config, record if micro_inputs is None else
-                             CompiledGraph(prefix=prefix, params=(), dynamo_code=""), device,
-                             need_grad=True)
-    # The loss becomes a sum per micro-batch; the step divides once by the whole batch's
-    # denominator (computed from the full-batch inputs).
-    normalization = normalize_loss(full, params, config.loss_reduction)
-    names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
-        gm, size = full, batch
-    else:  # traced at the micro-batch size: nothing to rewrite
-        gm, size = specialize(dynamic_gm, micro_inputs), microbatch
-        keep_loss_output(gm, params)
-        gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
-        normalize_loss(gm, params, config.loss_reduction)
-    # ZeRO once per step: the stage graphs read and differentiate full parameters.
-    hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
     real_inputs, example_inputs = example_inputs, full_size_inputs(example_inputs, hoisted)
-    mgraph = microbatch_graph(gm, example_inputs, batch_inputs, size, microbatch)
-    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     position = layout.mesh.pp_index
     session.add(record)
     mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
@@ -408,9 +290,6 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     args = _example_args(split, index, inputs, batch_inputs, microbatch)
     # Inductor lowers the graphs traced with its own decompositions (zeroc's kernels need none).
     decompositions = inductor_decompositions() if path == "inductor" else None
-    with torch.enable_grad():  # a no_grad recompile still builds the training graphs
-        joint = aot_export_joint_simple(spec.gm, args, trace_joint=True,
-                                        decompositions=decompositions)
     stage_name = f"{record.prefix}.s{index}"
     primal_names = [names[i] for i in (*spec.param_inputs, *spec.local_inputs)] + list(
         spec.in_keys)
@@ -428,6 +307,22 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
             record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
         return graph
 
+    def inference_passes(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return passes(graph, "inference", graph_passes(path))
+
+    inference = _LazyInference(
+        spec.gm, args, inference_passes if path != "inductor" or PLANNING.simulated else
+        inductor_after(inference_passes, f"{stage_name}.inference", record,
+                       config.kernel_autotune),
+        decompositions)
+    key = stage_reuse.signature(split, index, args) if PLANNING.shared is not None else None
+    reused = stage_reuse.find(key, split, index, record, inference)
+    if reused is not None:
+        return reused
+    before = stage_reuse.counts(record)
+    with torch.enable_grad():  # a no_grad recompile still builds the training graphs
+        joint = aot_export_joint_simple(spec.gm, args, trace_joint=True,
+                                        decompositions=decompositions)
     joint = passes(joint, "joint", JOINT_PASSES)
     num_fwd = len(spec.out_keys) + spec.num_model_outputs
     partition = (min_cut_rematerialization_partition if config.partitioner == "min_cut"
@@ -447,21 +342,16 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     if tangents != len(tangent_outputs):
         raise ValueError(f"zeroc pipeline: stage {index} has {tangents} output gradients in its "
                          f"joint graph but {len(tangent_outputs)} outputs that require one")
-    def inference_passes(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        return passes(graph, "inference", graph_passes(path))
-
-    return StageProgram(
-        inference=_LazyInference(
-            spec.gm, args, inference_passes if path != "inductor" or PLANNING.simulated else
-            inductor_after(inference_passes, f"{stage_name}.inference", record,
-                           config.kernel_autotune),
-            decompositions),
-        index=index, forward=fw, backward=bw, input_grad=split_bw.input_grad,
-        weight_grad=split_bw.weight_grad, w_inputs=split_bw.w_inputs,
-        num_input_grads=split_bw.num_input_grads, param_inputs=spec.param_inputs,
-        local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
-        num_model_outputs=spec.num_model_outputs, tangent_outputs=tangent_outputs,
+    program = StageProgram(
+        inference=inference, index=index, forward=fw, backward=bw,
+        input_grad=split_bw.input_grad, weight_grad=split_bw.weight_grad,
+        w_inputs=split_bw.w_inputs, num_input_grads=split_bw.num_input_grads,
+        param_inputs=spec.param_inputs, local_inputs=spec.local_inputs, in_keys=spec.in_keys,
+        out_keys=spec.out_keys, num_model_outputs=spec.num_model_outputs,
+        tangent_outputs=tangent_outputs,
     )
+    stage_reuse.keep(key, program, record, before)
+    return program
 
 
 class _LazyInference:

@@ -35,6 +35,7 @@ from torch import nn
 
 from zeroc.config import Config
 from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
+from zeroc.pipeline_front import SHARED_TRACE_META, remember_sources
 from zeroc.session import CompileSession
 
 __all__ = ["SharedTrace"]
@@ -100,8 +101,6 @@ def _namespace(target: Any) -> str | None:
 def _renamed_groups(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx.GraphModule:
     """A copy of ``gm`` whose collective ops name the groups ``names`` maps to."""
     names = {old: new for old, new in names.items() if old and old != new}
-    if not names:
-        return gm
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
@@ -142,8 +141,6 @@ class SharedTrace:
                     places = None
                     break
             self.places = places
-            from zeroc.pipeline_capture import remember_sources
-
             remember_sources(gm)  # Dynamo drops the inputs' sources once this returns
 
             def stop(*call_args: Any) -> Any:
@@ -179,6 +176,7 @@ class SharedTrace:
                   for p in self.places]
         groups = dict(zip(_group_names(self.example_inputs), _group_names(inputs), strict=True))
         gm = _renamed_groups(self.gm, groups)
+        gm.meta[SHARED_TRACE_META] = self.gm  # positions find the front they share by it
         from zeroc.backend import _with_tuned_options
 
         config = Config.build(None, _with_tuned_options(inputs, options))

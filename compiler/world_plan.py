@@ -20,6 +20,7 @@ from torch import nn
 from zeroc.fake_world import DEVICES, plan_position
 from zeroc.plan_capture import SharedTrace
 from zeroc.runtime.plan import Plan
+from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import MemoryEstimate
 from zeroc.runtime.zero_ops import ZERO_STAGES
 
@@ -57,12 +58,16 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
     dp = world // pp
     positions = []
     trace = SharedTrace()  # Dynamo traces the model once, for every position
-    for position in range(pp):
-        log.info("planning pipeline position %d of %d (rank %d)", position + 1, pp,
-                 position * dp)
-        positions.append(plan_position(
-            model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
-            device=device, options=options, mixed_precision=mixed_precision, trace=trace))
+    PLANNING.shared = {}  # and the positions share what they would all compute alike
+    try:
+        for position in range(pp):
+            log.info("planning pipeline position %d of %d (rank %d)", position + 1, pp,
+                     position * dp)
+            positions.append(plan_position(
+                model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
+                device=device, options=options, mixed_precision=mixed_precision, trace=trace))
+    finally:
+        PLANNING.shared = None
     base = positions[0].plan
     memory = []
     for position, planned in enumerate(positions):

@@ -6,6 +6,10 @@ any initializer (fake tensors have no values, and random initializers need a rea
 machine that has none). ``PLANNING.simulated``: the pipeline executor neither reads values
 (losses, timings, batch digests) nor uses CUDA events, and times with the host clock.
 Thread-local, set only inside ``zeroc.fake_world.fake_world``.
+
+``PLANNING.shared``: while ``zeroc.world_plan.plan_world`` plans the positions of one world,
+a dict where a position leaves what the next can take as it is (``zeroc.pipeline_front``);
+``None`` otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class _Planning(threading.local):
     skip_init = False
     device: torch.device | None = None
     simulated = False
+    shared: dict | None = None
 
 
 PLANNING = _Planning()

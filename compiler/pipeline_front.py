@@ -1,0 +1,262 @@
+"""The first half of a pipeline compile, the same on every pipeline position.
+
+From one Dynamo graph at the call's sizes (and, when Dynamo gave one, the same graph with a
+symbolic batch dimension) ``pipeline_front`` makes what every position of the pipeline
+compiles from: the loss output, the batch inputs and the micro-batch count, the schedule,
+the Dynamo graph's passes, the loss normalization, the parameter gathers taken out of the
+graph (ZeRO once per step), and the graph cut into stages at the micro-batch size.
+``zeroc.pipeline_capture`` then compiles the stages one position holds.
+
+Nothing here depends on which position compiles, apart from the name of the data-parallel
+group the hoisted gathers use. A planned world (``zeroc.explain(model, inputs, world=...)``)
+plans every position in one process from one Dynamo graph (``zeroc.plan_capture``), so it
+keeps each front it made in ``PLANNING.shared`` and the next position takes it, with its own
+group name, instead of specializing, running the passes and splitting the same graph again.
+A front whose stage graphs still name a process group (``pp_reshard``: the gathers stay in the
+stages) is not shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
+from zeroc.config import Config
+from zeroc.passes.base import graph_text
+from zeroc.passes.hoist_unshard import HoistedParam, full_size_inputs, hoist_unshards
+from zeroc.passes.loss_normalization import normalize_loss
+from zeroc.passes.loss_output import LossOutput, keep_loss_output
+from zeroc.passes.microbatch_shapes import microbatch_graph
+from zeroc.passes.schedule import build_schedule
+from zeroc.passes.specialize_shapes import microbatch_inputs, specialize
+from zeroc.passes.split_stages import StageSplit, split_stages
+from zeroc.runtime.actions import Schedule
+from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.records import ParamInfo, PassInfo
+from zeroc.runtime.zero_ops import ZeroLayout
+from zeroc.session import CompiledGraph
+
+__all__ = ["SHARED_TRACE_META", "PipelineFront", "default_microbatches", "pipeline_front",
+           "remember_sources"]
+
+# In a graph's ``meta``: the Dynamo graph it copies, when a planned world's positions share
+# one trace (``zeroc.plan_capture``) and each gets a copy naming its own process groups.
+SHARED_TRACE_META = "zeroc_shared_trace"
+
+_GROUP_NAMESPACES = ("zeroc", "_c10d_functional", "c10d_functional")
+
+
+def default_microbatches(schedule: str, pp: int) -> int:
+    """Micro-batches when the user gives none: the stages, or the schedule's minimum."""
+    stages = 2 * pp if schedule == "dualpipev" else pp
+    return max(stages, 2 * pp) if schedule in ("dualpipe", "dualpipev") else stages
+
+
+USER_INPUT_META = "zeroc_user_input"
+
+
+def _is_user_input(node: torch.fx.Node) -> bool:
+    """Whether a placeholder is a tensor the caller passed (not a module's buffer or
+    attribute): its Dynamo source is a local of the forward other than ``self``, reached
+    without passing through a module. Read from Dynamo's ``grapharg``, or from what
+    ``remember_sources`` kept of it (Dynamo drops ``grapharg`` once the backend returns)."""
+    if USER_INPUT_META in node.meta:
+        return node.meta[USER_INPUT_META]
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return False
+    text = source.name() if callable(source.name) else str(source.name)
+    while getattr(source, "base", None) is not None:
+        if "Module" in type(source).__name__ or "ParamBuffer" in type(source).__name__:
+            return False
+        source = source.base
+    name = getattr(source, "local_name", None)
+    return name is not None and name != "self" and not text.startswith("G[") and all(
+        part not in text for part in ("._modules[", "._buffers[", "._parameters["))
+
+
+def remember_sources(gm: torch.fx.GraphModule) -> None:
+    """Keep what later compiles need of each placeholder's Dynamo source in its meta."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[USER_INPUT_META] = _is_user_input(node)
+            node.meta[SOURCE_NAME_META] = source_name(node)
+
+
+def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
+                  params: set[int]) -> tuple[set[int], int]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = {i for i, (n, v) in enumerate(zip(placeholders, inputs, strict=False))
+             if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
+             and _is_user_input(n)}
+    sizes = {placeholders[i].name: int(inputs[i].shape[0]) for i in sorted(batch)}
+    if not sizes:
+        raise ValueError("zeroc pipeline: the model takes no tensor input to cut into "
+                         "micro-batches; pass the batch as tensors (batch in dimension 0)")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"zeroc pipeline: every tensor input is cut into micro-batches along "
+                         f"dimension 0, so they need one batch size; got {sizes}")
+    return batch, next(iter(sizes.values()))
+
+
+def _where(node: torch.fx.Node | None) -> str:
+    """``file:line (code)`` of the user's source line that traced ``node``."""
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    frames = [line.strip() for line in trace.strip().splitlines()]
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) else ""
+            place = frames[i].removeprefix("File ").replace('"', "")
+            return f"{place}: {code}" if code else place
+    return "an unknown line"
+
+
+def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int]) -> None:
+    if len(params) >= len(layout.params):
+        return
+    ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    raise ValueError(
+        f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
+        f"parameters; with pp={layout.pp} the whole forward must be one graph. Dynamo split "
+        f"it: this graph runs from {_where(ops[0] if ops else None)} to "
+        f"{_where(ops[-1] if ops else None)}, and the break is right before or after that. "
+        "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
+        "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
+        "parameters"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineFront:
+    """What every pipeline position compiles from (see the module docstring)."""
+
+    params: frozenset[int]  # graph inputs that are parameters
+    loss_output: LossOutput
+    batch_inputs: frozenset[int]
+    batch: int
+    microbatches: int
+    schedule: Schedule
+    param_infos: tuple[ParamInfo, ...]
+    dynamo_code: str
+    passes: tuple[PassInfo, ...]  # the Dynamo graph's, named ``<prefix>.dynamo``
+    normalization: Any
+    names: tuple[str, ...]  # every graph input's source name
+    hoisted: dict[int, HoistedParam]
+    split: StageSplit
+    dp_group_name: str  # the group ``hoisted`` gathers over
+
+    @property
+    def microbatch(self) -> int:
+        return self.batch // self.microbatches
+
+    def for_group(self, dp_group_name: str) -> PipelineFront:
+        """This front for a position whose data-parallel group is ``dp_group_name``."""
+        if dp_group_name == self.dp_group_name:
+            return self
+        hoisted = {i: dataclasses.replace(h, group_name=dp_group_name)
+                   if h.group_name == self.dp_group_name else h for i, h in self.hoisted.items()}
+        return dataclasses.replace(self, hoisted=hoisted, dp_group_name=dp_group_name)
+
+
+def _names_a_group(split: StageSplit) -> bool:
+    """Whether a stage graph still calls an op that takes a process group's name."""
+    for spec in split.stages:
+        for node in spec.gm.graph.nodes:
+            target = node.target
+            if isinstance(target, torch._ops.OpOverloadPacket):
+                namespace = target._qualified_op_name.split("::")[0]
+            else:
+                namespace = getattr(target, "namespace", None)
+            if node.op == "call_function" and namespace in _GROUP_NAMESPACES and any(
+                    isinstance(a, str) for a in (*node.args, *node.kwargs.values())):
+                return True
+    return False
+
+
+def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,
+                   layout: ZeroLayout, prefix: str,
+                   dynamic_gm: torch.fx.GraphModule | None = None) -> PipelineFront:
+    """The front of ``gm`` (the graph at the call's sizes; None: ``dynamic_gm`` specialized
+    to them), taken from ``PLANNING.shared`` when a position of the same planned world made it
+    already. ``dynamic_gm``: the same graph with a symbolic batch dimension, if Dynamo gave
+    one: the stages are then traced from it at the micro-batch size; otherwise ``gm``'s
+    batch-size constants are rewritten."""
+    shared = PLANNING.shared
+    key = None
+    if shared is not None and dynamic_gm is not None:
+        sizes = tuple(int(v) for v in example_inputs if isinstance(v, (int, torch.SymInt)))
+        source = dynamic_gm.meta.get(SHARED_TRACE_META, dynamic_gm)
+        key = ("pipeline_front", id(source), sizes, prefix, repr(config.to_dict()))
+        front = shared.get(key)
+        if front is not None:
+            return front.for_group(layout.dp_group_name)
+    if gm is None:
+        gm = specialize(dynamic_gm, example_inputs)
+    front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm)
+    if key is not None and not _names_a_group(front.split):
+        shared[key] = front
+        shared[("pipeline_front_graph", id(source))] = source  # keeps the id unique
+    return front
+
+
+def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+           layout: ZeroLayout, prefix: str,
+           dynamic_gm: torch.fx.GraphModule | None) -> PipelineFront:
+    params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
+    _check_one_graph(gm, layout, params)
+    loss_output = keep_loss_output(gm, params)
+    batch_inputs, batch = _batch_inputs(gm, example_inputs, params)
+    pp = layout.pp
+    microbatches = config.microbatches or default_microbatches(config.schedule, pp)
+    if batch % microbatches:
+        raise ValueError(
+            f"zeroc pipeline: microbatches={microbatches} does not divide the batch of "
+            f"{batch}; use a batch that is a multiple of {microbatches} or a microbatches "
+            f"option that divides {batch}"
+        )
+    try:
+        schedule = build_schedule(config.schedule, pp, microbatches)
+    except ValueError as error:
+        raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
+                         f"microbatches={microbatches}: {error}") from None
+    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
+                           dynamo_code=graph_text(gm))
+    device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
+                  torch.device("cpu"))
+    microbatch = batch // microbatches
+    micro_inputs = None if dynamic_gm is None else microbatch_inputs(
+        dynamic_gm, example_inputs, batch_inputs, microbatch)
+    # Stage graphs are always traced for training (a no_grad call runs their forwards only).
+    # The full-batch graph gets the passes too, even when the stages come from the
+    # micro-batch graph: the loss normalization reads the loss as the passes leave it
+    # (Hugging Face's loss call is only recognised after them).
+    full = run_dynamo_passes(gm, config, record if micro_inputs is None else
+                             CompiledGraph(prefix=prefix, params=(), dynamo_code=""), device,
+                             need_grad=True)
+    # The loss becomes a sum per micro-batch; the step divides once by the whole batch's
+    # denominator (computed from the full-batch inputs).
+    normalization = normalize_loss(full, params, config.loss_reduction)
+    names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
+        gm, size = full, batch
+    else:  # traced at the micro-batch size: nothing to rewrite
+        gm, size = specialize(dynamic_gm, micro_inputs), microbatch
+        keep_loss_output(gm, params)
+        gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
+        normalize_loss(gm, params, config.loss_reduction)
+    # ZeRO once per step: the stage graphs read and differentiate full parameters.
+    hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
+    mgraph = microbatch_graph(gm, full_size_inputs(example_inputs, hoisted), batch_inputs,
+                              size, microbatch)
+    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
+    return PipelineFront(
+        params=frozenset(params), loss_output=loss_output, batch_inputs=frozenset(batch_inputs),
+        batch=batch, microbatches=microbatches, schedule=schedule, param_infos=record.params,
+        dynamo_code=record.dynamo_code, passes=tuple(record.passes),
+        normalization=normalization, names=tuple(names), hoisted=hoisted, split=split,
+        dp_group_name=layout.dp_group_name)

@@ -1,0 +1,76 @@
+"""A planned world's positions share one Dynamo trace, one front and identical stages.
+
+``zeroc.explain(model, inputs, world=...)`` traces the model once (``zeroc.plan_capture``),
+splits it once (``zeroc.pipeline_front``) and compiles each distinct stage once
+(``zeroc.stage_reuse``). Each position's plan must be what planning it alone gives: the same
+graphs (names, kinds and code), passes, kernels, collectives, saved bytes and memory row.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from models.gpt import GPT, GPTConfig
+
+import zeroc
+import zeroc.world_plan as world_plan
+from zeroc import pipeline_capture
+
+
+def _model() -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32), seed=1)
+
+
+def _summary(position) -> dict:
+    plan = position.plan
+    return {
+        "graphs": [(g.name, g.kind, g.code) for g in plan.graphs],
+        "passes": [(p.pass_name, p.graph, p.changed) for p in plan.passes],
+        "kernels": [(k.name, k.graph, k.source_hash) for k in plan.kernels],
+        "collectives": sorted((c.name, c.graph, c.op, c.bytes) for c in plan.collectives),
+        "saved": [g.peak_bytes for g in plan.graphs],
+        "memory": position.memory,
+    }
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, share: bool, options: dict) -> tuple[list, int]:
+    positions, exports = [], []
+    plan_position = world_plan.plan_position
+
+    def spy(*args, **kwargs):
+        positions.append(plan_position(*args, **kwargs))
+        return positions[-1]
+
+    export = pipeline_capture.aot_export_joint_simple
+
+    def count(*args, **kwargs):
+        exports.append(kwargs.get("trace_joint"))
+        return export(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(world_plan, "plan_position", spy)
+        patch.setattr(pipeline_capture, "aot_export_joint_simple", count)
+        if not share:  # each position on its own, as a separate process would plan it
+            patch.setattr(world_plan, "SharedTrace", lambda: None)
+            patch.setattr(world_plan, "PLANNING", types.SimpleNamespace(shared=None))
+        tokens = torch.zeros(8, 16, dtype=torch.long)
+        zeroc.explain(_model(), (tokens, tokens), world=8, pp=4, zero=3, device="cpu",
+                      options=options)
+    return [_summary(p) for p in positions], sum(1 for e in exports if e)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_each_position_plans_as_it_would_alone(schedule: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    options = {"schedule": schedule, "microbatches": 8}
+    shared, shared_exports = _plan(monkeypatch, True, options)
+    alone, alone_exports = _plan(monkeypatch, False, options)
+    assert len(shared) == len(alone) == 4
+    for position, (mine, want) in enumerate(zip(shared, alone, strict=True)):
+        for key in want:
+            assert mine[key] == want[key], (position, key)
+    # 1F1B: 4 stages, the two middle ones alike; DualPipeV: 8 stages, 6 of them alike.
+    assert alone_exports == (4 if schedule == "1f1b" else 8)
+    assert shared_exports == 3
