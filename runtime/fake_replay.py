@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from zeroc.runtime.step_memory import StepMemory, current_tracker
 
@@ -122,6 +123,8 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             parts.append(("value", value))
         else:
             return None
+    if not storages:  # no fake tensor to take the fake mode from: run it
+        return None
     return tuple(parts)
 
 
@@ -175,10 +178,22 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
     # their ``_base`` as they did), else a flat tensor over the whole storage.
     bases: dict[int, torch.Tensor] = {}
     made: dict[int, torch.Tensor] = {}
+    mode = next(a.fake_mode for a in args if isinstance(a, FakeTensor))
+    tracker = current_tracker()
+
+    def allocate(size: tuple[int, ...], stride: tuple[int, ...], out: _Fresh) -> torch.Tensor:
+        # As fake tensor mode makes an op's output, without dispatching an op (a third of
+        # the time); the step's tracker is told of it as it would see it.
+        with _disable_current_modes():
+            meta = torch.empty_strided(size, stride, dtype=out.dtype, device="meta")
+            tensor = FakeTensor(mode, meta, out.device)
+        if tracker is not None:
+            tracker.note(tensor)
+        return tensor
+
     for index, out in enumerate(record.outputs):
         if isinstance(out, _Fresh) and not out.view:
-            made[index] = bases[out.group] = torch.empty_strided(
-                out.size, out.stride, dtype=out.dtype, device=out.device)
+            made[index] = bases[out.group] = allocate(out.size, out.stride, out)
     outs = []
     for index, out in enumerate(record.outputs):
         if isinstance(out, _Constant):
@@ -192,8 +207,8 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         else:
             base = bases.get(out.group)
             if base is None:
-                numel = out.nbytes // torch.empty((), dtype=out.dtype, device="meta").element_size()
-                base = bases[out.group] = torch.empty(numel, dtype=out.dtype, device=out.device)
+                numel = out.nbytes // out.dtype.itemsize
+                base = bases[out.group] = allocate((numel,), (1,), out)
             outs.append(base.as_strided(out.size, out.stride, out.offset))
     return tuple(outs) if record.as_tuple else outs
 
