@@ -59,7 +59,8 @@ class _Fresh:
 
 @dataclasses.dataclass(frozen=True)
 class _OfInput:
-    """An output that is input ``index`` itself, or a view of it."""
+    """An output that is input ``index`` itself, or a view of it (``offset``: from the
+    input's own storage offset)."""
 
     index: int
     same: bool
@@ -117,7 +118,8 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             if type(value) is not FakeTensor or value.requires_grad:
                 return None
             first = storages.setdefault(value.untyped_storage()._cdata, index)
-            parts.append((tuple(value.shape), value.stride(), value.storage_offset(),
+            # Not the storage offset: a micro-batch is a slice of the batch at its own offset.
+            parts.append((tuple(value.shape), value.stride(),
                           value.dtype, value.device, first))
         elif value is None or isinstance(value, (bool, int, float)):
             parts.append(("value", value))
@@ -151,7 +153,8 @@ def _describe(outs: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             source = args[inputs[key]]
             if source.dtype != out.dtype:
                 return None
-            described.append(_OfInput(inputs[key], out is source, *layout))
+            described.append(_OfInput(inputs[key], out is source, layout[0], layout[1],
+                                      layout[2] - source.storage_offset()))
             continue
         nbytes = out.untyped_storage().nbytes()
         group = groups.setdefault(key, (len(groups), nbytes, out.dtype))
@@ -201,7 +204,8 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         elif isinstance(out, _OfInput):
             source = args[out.index]
             outs.append(source if out.same else
-                        source.as_strided(out.size, out.stride, out.offset))
+                        source.as_strided(out.size, out.stride,
+                                          source.storage_offset() + out.offset))
         elif not out.view:
             outs.append(made[index])
         else:

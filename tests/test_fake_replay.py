@@ -91,3 +91,18 @@ def test_planned_memory_is_the_same_replayed_or_run(schedule: str,
     replayed = plan()
     monkeypatch.setattr(fake_replay, "replayable", lambda graph: False)
     assert plan() == replayed
+
+
+def test_micro_batches_at_other_offsets_are_replayed() -> None:
+    """A micro-batch is a slice of the batch: its offset differs, its signature does not."""
+    graph = torch.fx.symbolic_trace(lambda x, w: (x[1:], torch.relu(x @ w)))
+    runs = []
+    graph.register_forward_pre_hook(lambda module, args: runs.append(1))
+    with FakeTensorMode():
+        batch, w = torch.empty(8, 16), torch.empty(16, 24)
+        for micro in range(4):
+            x = batch[2 * micro:2 * micro + 2]
+            view, _ = fake_replay.call(graph, x, w)
+            assert view.storage_offset() == x.storage_offset() + 16
+            assert view.untyped_storage()._cdata == batch.untyped_storage()._cdata
+    assert len(runs) == 1
