@@ -192,6 +192,8 @@ def _backward_for(device: str) -> Any:
 
 def _explain_value_read(error: Exception) -> None:
     """Raise a ``ValueError`` naming the op when ``error`` is a value read on a fake tensor."""
+    if isinstance(error, ValueError) and str(error).startswith("zeroc"):
+        return  # zeroc's own diagnosis (a graph break names "data-dependent" as one cause)
     text = f"{type(error).__name__}: {error}"
     if "DataDependent" in text or "data-dependent" in text.lower():
         op = next((w for w in text.replace(",", " ").split() if w.startswith("aten.")), "")

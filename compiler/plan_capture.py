@@ -12,7 +12,9 @@ The trace is taken with a backend that keeps the graph and compiles nothing; the
 traced stops there (``_Traced``), so no step runs twice. It is shared when it can be shared
 faithfully, else each position traces the model itself:
 
-- Dynamo made one graph of the whole forward (one backend call);
+- Dynamo made one graph of the whole forward (traced with ``fullgraph=True``; a graph
+  break leaves each position to trace itself, and to report the break as a user's compile
+  would);
 - its batch dimension is symbolic (``zeroc.parallelize(pp > 1)`` asks for that), so the
   pipeline compiler specializes copies of it and never changes the graph itself;
 - every graph input is found on the first position's model: a parameter, a buffer, a tensor
@@ -155,13 +157,21 @@ class SharedTrace:
 
     def trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         """Trace ``model`` (parallelized, on this position's fake tensors) with Dynamo."""
-        traced = torch.compile(model, backend=self._backend(model, args, kwargs))
+        # fullgraph: a graph break raises here (and the positions trace as a user's compile
+        # would, which says where the break is) instead of leaving a tail this graph lacks.
+        traced = torch.compile(model, backend=self._backend(model, args, kwargs),
+                               fullgraph=True)
         try:
             traced(*args, **kwargs)
         except _Traced:
             pass
+        except Exception as error:  # noqa: BLE001 (any failure: trace per position instead)
+            log.debug("zeroc: shared trace failed (%s); each position traces itself",
+                      str(error).splitlines()[0] if str(error) else type(error).__name__)
+            self.graphs = 0
         else:
             self.graphs = 2  # the forward ran to its end without reaching the graph
+        torch._dynamo.reset()  # a position's own compile must not find this trace's frame
         self.reusable = (self.graphs == 1 and self.places is not None
                          and any(p[0] == "size" for p in self.places))
         log.debug("zeroc: shared trace: %d graph(s), %s", self.graphs,

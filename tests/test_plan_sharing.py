@@ -74,3 +74,29 @@ def test_each_position_plans_as_it_would_alone(schedule: str,
     # 1F1B: 4 stages, the two middle ones alike; DualPipeV: 8 stages, 6 of them alike.
     assert alone_exports == (4 if schedule == "1f1b" else 8)
     assert shared_exports == 3
+
+
+class _BreaksTheGraph(torch.nn.Module):
+    """Two blocks with a graph break between them: a pipeline needs one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(hidden).sum()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_graph_break_is_reported_as_a_compile_reports_it(
+        share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared trace refuses a graph break (fullgraph); the position's own trace then
+    gives the pipeline's error, naming the break, exactly as planning without sharing."""
+    with monkeypatch.context() as patch:
+        if not share:
+            patch.setattr(world_plan, "SharedTrace", lambda: None)
+        with pytest.raises(ValueError, match=r"the whole forward must be one graph"):
+            zeroc.explain(_BreaksTheGraph(), (torch.ones(4, 8),), world=2, pp=2, zero=0,
+                          device="cpu", options={"schedule": "1f1b", "microbatches": 2})
