@@ -164,6 +164,11 @@ def _exit_forward(module: nn.Module, args: Any, output: Any) -> None:
         _FORWARD.depth = max(0, _FORWARD.depth - 1)
 
 
+# The hooks above, for code that traces a parallelized model without them (they do nothing
+# while compiling): ``zeroc.plan_capture``.
+FORWARD_DEPTH_HOOKS = (_enter_forward, _exit_forward)
+
+
 def full_weight(module: nn.Module, name: str) -> torch.Tensor:
     """``module.<name>`` gathered in full from its flat buffer (differentiable).
 
