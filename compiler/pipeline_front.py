@@ -41,8 +41,8 @@ from zeroc.runtime.records import ParamInfo, PassInfo
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph
 
-__all__ = ["SHARED_TRACE_META", "PipelineFront", "default_microbatches", "pipeline_front",
-           "remember_sources"]
+__all__ = ["SHARED_TRACE_META", "PipelineFront", "default_microbatches", "front_is_shared",
+           "pipeline_front", "remember_sources"]
 
 # In a graph's ``meta``: the Dynamo graph it copies, when a planned world's positions share
 # one trace (``zeroc.plan_capture``) and each gets a copy naming its own process groups.
@@ -176,6 +176,13 @@ def _names_a_group(split: StageSplit) -> bool:
                     isinstance(a, str) for a in (*node.args, *node.kwargs.values())):
                 return True
     return False
+
+
+def front_is_shared(dynamic_gm: torch.fx.GraphModule) -> bool:
+    """Whether a position of this planned world kept a front of ``dynamic_gm`` (then the
+    graph is only a key: the front is taken with the asking position's group name)."""
+    shared = PLANNING.shared
+    return shared is not None and ("pipeline_front_graph", id(dynamic_gm)) in shared
 
 
 def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,

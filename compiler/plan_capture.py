@@ -38,7 +38,7 @@ from torch import nn
 
 from zeroc.config import Config
 from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
-from zeroc.pipeline_front import SHARED_TRACE_META, remember_sources
+from zeroc.pipeline_front import SHARED_TRACE_META, front_is_shared, remember_sources
 from zeroc.session import CompileSession
 
 __all__ = ["SharedTrace"]
@@ -209,8 +209,11 @@ class SharedTrace:
         inputs = [self.example_inputs[p[1]] if p[0] == "size" else _find(p, model, args, kwargs)
                   for p in self.places]
         groups = dict(zip(_group_names(self.example_inputs), _group_names(inputs), strict=True))
-        gm = _renamed_groups(self.gm, groups)
-        gm.meta[SHARED_TRACE_META] = self.gm  # positions find the front they share by it
+        if front_is_shared(self.gm) or all(old == new for old, new in groups.items()):
+            gm = self.gm  # the kept front is renamed instead; or the names are this position's
+        else:
+            gm = _renamed_groups(self.gm, groups)
+            gm.meta[SHARED_TRACE_META] = self.gm  # positions find the front they share by it
         from zeroc.backend import _with_tuned_options
 
         config = Config.build(None, _with_tuned_options(inputs, options))
