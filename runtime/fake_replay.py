@@ -55,6 +55,9 @@ class _Fresh:
     dtype: torch.dtype
     device: torch.device
     view: bool  # made as a view of its storage's base (``_base`` set), else allocated
+    # For a view: whether its ``_base`` can tell (it alone spans its whole storage, so the
+    # executor would take it as a fresh gradient without one); else it is made without.
+    needs_base: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +169,23 @@ def _describe(outs: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if not view:
             owned.add(key)
         described.append(_Fresh(group[0], nbytes, *layout, out.dtype, out.device, view))
-    return tuple(described)
+    members: dict[int, int] = {}
+    for out in described:
+        if isinstance(out, _Fresh):
+            members[out.group] = members.get(out.group, 0) + 1
+    return tuple(dataclasses.replace(out, needs_base=members[out.group] == 1 and not out.offset
+                                     and _whole(out))
+                 if isinstance(out, _Fresh) and out.view else out for out in described)
+
+
+def _whole(out: _Fresh) -> bool:
+    """Whether ``out``'s elements span exactly its storage."""
+    numel = 1
+    for n in out.size:
+        numel *= n
+    span = 0 if numel == 0 else 1 + sum((n - 1) * s for n, s in zip(out.size, out.stride,
+                                                                  strict=True))
+    return span * out.dtype.itemsize == out.nbytes
 
 
 def _span(tensor: torch.Tensor) -> int:
@@ -180,6 +199,7 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
     # A storage's base: its output that is no view (made first, so the views see it as
     # their ``_base`` as they did), else a flat tensor over the whole storage.
     bases: dict[int, torch.Tensor] = {}
+    metas: dict[int, torch.Tensor] = {}  # each fresh storage's meta tensor
     made: dict[int, torch.Tensor] = {}
     mode = next(a.fake_mode for a in args if isinstance(a, FakeTensor))
     tracker = current_tracker()
@@ -188,11 +208,22 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         # As fake tensor mode makes an op's output, without dispatching an op (a third of
         # the time); the step's tracker is told of it as it would see it.
         with _disable_current_modes():
-            meta = torch.empty_strided(size, stride, dtype=out.dtype, device="meta")
+            meta = metas[out.group] = torch.empty_strided(size, stride, dtype=out.dtype,
+                                                          device="meta")
             tensor = FakeTensor(mode, meta, out.device)
         if tracker is not None:
             tracker.note(tensor)
         return tensor
+
+    def view(out: _Fresh) -> torch.Tensor:
+        base = bases.get(out.group)
+        if base is None:
+            base = bases[out.group] = allocate((out.nbytes // out.dtype.itemsize,), (1,), out)
+        if out.needs_base:  # through fake tensor mode, which sets ``_base``
+            return base.as_strided(out.size, out.stride, out.offset)
+        with _disable_current_modes():  # the same storage, without dispatching an op
+            return FakeTensor(mode, metas[out.group].as_strided(out.size, out.stride,
+                                                                out.offset), out.device)
 
     for index, out in enumerate(record.outputs):
         if isinstance(out, _Fresh) and not out.view:
@@ -209,11 +240,7 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         elif not out.view:
             outs.append(made[index])
         else:
-            base = bases.get(out.group)
-            if base is None:
-                numel = out.nbytes // out.dtype.itemsize
-                base = bases[out.group] = allocate((numel,), (1,), out)
-            outs.append(base.as_strided(out.size, out.stride, out.offset))
+            outs.append(view(out))
     return tuple(outs) if record.as_tuple else outs
 
 

@@ -24,7 +24,7 @@ def _graph() -> torch.fx.GraphModule:
         h = torch.relu(x @ w)  # a transient product, freed inside
         qkv = (h * 2).reshape(4, 3, 8)
         q, k, v = qkv.unbind(1)  # three views of one fresh storage
-        return q, k, v, w.t(), x, (h + 1).sum()
+        return q, k, v, w.t(), x, (h + 1).sum(), (h * 3).t()  # the last: a whole-storage view
 
     return torch.fx.symbolic_trace(body)
 
@@ -47,11 +47,20 @@ def test_a_replay_leaves_the_tracker_where_a_run_does() -> None:
         x2, w2 = torch.empty(4, 16), torch.empty(16, 24)
         outs, live, peak = _run(fake_replay.call, graph, x2, w2)
     assert (live, peak) == (run_live, run_peak)
-    q, k, v, wt, xo, total = outs
+    q, k, v, wt, xo, total, whole = outs
     assert q.untyped_storage()._cdata == k.untyped_storage()._cdata == v.untyped_storage()._cdata
     assert wt.untyped_storage()._cdata == w2.untyped_storage()._cdata and wt.shape == (24, 16)
     assert xo is x2
-    assert [o._base is not None for o in outs] == [o._base is not None for o in run_outs]
+    # ``_base`` where it can matter: an output alone spanning its whole storage (the executor
+    # keeps such a gradient uncopied only when it is no view).
+    def alone_and_whole(o, outs):
+        sharing = [p for p in outs if isinstance(p, torch.Tensor)
+                   and p.untyped_storage()._cdata == o.untyped_storage()._cdata]
+        return len(sharing) == 1 and o.untyped_storage().nbytes() == o.numel() * o.element_size()
+
+    assert [o._base is not None for o in outs if alone_and_whole(o, outs)] == [
+        o._base is not None for o in run_outs if alone_and_whole(o, run_outs)]
+    assert whole._base is not None and run_outs[-1]._base is not None
     assert [(o.shape, o.stride(), o.dtype) for o in outs] == [
         (o.shape, o.stride(), o.dtype) for o in run_outs]
 
