@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 
 import pytest
@@ -164,8 +163,12 @@ def test_pp2_dp2_zero3_dualpipev_plan_and_trace() -> None:
         torch.testing.assert_close(first["half_grads"][name], 0.5 * grad)
     text = first["plan"]
     assert "mesh pp=2 x dp=2, zero 3, schedule dualpipev" in text
-    # The grid is drawn with the stage costs measured in the step that ran.
-    assert re.search(r"rank  0 \| F0 *\|F1", text) and "F3&b1" in text
+    # The grid is drawn with the stage costs measured in the step that ran; the cells' widths
+    # (and what lines up beside them) follow those timings, so only the order is checked.
+    row = next(line for line in text.splitlines() if line.startswith("rank  0 |"))
+    cells = [cell.strip() for cell in row.split("|")[1:] if cell.strip()]
+    assert cells[:2] == ["F0", "F1"], row
+    assert "F3&b1" in text
     assert "time unit: ms; stage costs measured in the last step" in text
     assert "bubble (measured)" in text and "peak activation memory" in text
     # Each rank's p2p wait of the last step: in the plan's table and in the trace.
