@@ -41,14 +41,15 @@ from zeroc.runtime.records import ParamInfo, PassInfo
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph
 
-__all__ = ["SHARED_TRACE_META", "PipelineFront", "default_microbatches", "front_is_shared",
-           "pipeline_front", "remember_sources"]
+__all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "PipelineFront", "default_microbatches",
+           "front_is_shared", "op_namespace", "pipeline_front", "remember_sources"]
 
 # In a graph's ``meta``: the Dynamo graph it copies, when a planned world's positions share
 # one trace (``zeroc.plan_capture``) and each gets a copy naming its own process groups.
 SHARED_TRACE_META = "zeroc_shared_trace"
 
-_GROUP_NAMESPACES = ("zeroc", "_c10d_functional", "c10d_functional")
+# Namespaces of the ops that take a process group by name.
+GROUP_NAMESPACES = ("zeroc", "_c10d_functional", "c10d_functional")
 
 
 def default_microbatches(schedule: str, pp: int) -> int:
@@ -163,16 +164,19 @@ class PipelineFront:
         return dataclasses.replace(self, hoisted=hoisted, dp_group_name=dp_group_name)
 
 
+def op_namespace(target: Any) -> str | None:
+    """The op namespace of an FX target (``torch.ops.zeroc.unshard`` or its ``.default``)."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0]
+    return target.namespace if isinstance(target, torch._ops.OpOverload) else None
+
+
 def _names_a_group(split: StageSplit) -> bool:
     """Whether a stage graph still calls an op that takes a process group's name."""
     for spec in split.stages:
         for node in spec.gm.graph.nodes:
-            target = node.target
-            if isinstance(target, torch._ops.OpOverloadPacket):
-                namespace = target._qualified_op_name.split("::")[0]
-            else:
-                namespace = getattr(target, "namespace", None)
-            if node.op == "call_function" and namespace in _GROUP_NAMESPACES and any(
+            namespace = op_namespace(node.target)
+            if node.op == "call_function" and namespace in GROUP_NAMESPACES and any(
                     isinstance(a, str) for a in (*node.args, *node.kwargs.values())):
                 return True
     return False

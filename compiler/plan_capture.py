@@ -38,15 +38,18 @@ from torch import nn
 
 from zeroc.config import Config
 from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
-from zeroc.pipeline_front import SHARED_TRACE_META, front_is_shared, remember_sources
+from zeroc.pipeline_front import (
+    GROUP_NAMESPACES,
+    SHARED_TRACE_META,
+    front_is_shared,
+    op_namespace,
+    remember_sources,
+)
 from zeroc.session import CompileSession
 
 __all__ = ["SharedTrace"]
 
 log = logging.getLogger(__name__)
-
-_GROUP_OP_NAMESPACES = frozenset({"zeroc", "_c10d_functional", "c10d_functional"})
-
 
 class _Traced(Exception):
     """Raised by the tracing backend's graph: the trace is kept, the call goes no further."""
@@ -93,14 +96,6 @@ def _group_names(example_inputs: list[Any]) -> tuple[str, str]:
     return (layout.mesh.dp_group_name, layout.mesh.pp_group_name) if layout else ("", "")
 
 
-def _namespace(target: Any) -> str | None:
-    """The op namespace of an FX target (``torch.ops.zeroc.unshard`` or its ``.default``)."""
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target._qualified_op_name.split("::")[0] if isinstance(
-            target, torch._ops.OpOverloadPacket) else target.namespace
-    return None
-
-
 def _renamed_groups(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx.GraphModule:
     """A copy of ``gm`` whose collective ops name the groups ``names`` maps to."""
     names = {old: new for old, new in names.items() if old and old != new}
@@ -108,7 +103,7 @@ def _renamed_groups(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         copied = graph.node_copy(node, lambda n: env[n])
-        if _namespace(node.target) in _GROUP_OP_NAMESPACES:
+        if op_namespace(node.target) in GROUP_NAMESPACES:
             copied.args = tuple(names.get(a, a) if isinstance(a, str) else a
                                 for a in copied.args)
             copied.kwargs = {k: names.get(v, v) if isinstance(v, str) else v
@@ -188,7 +183,7 @@ class SharedTrace:
             with _without_forward_depth_hooks(model):
                 traced(*args, **kwargs)
         except _Traced:
-            pass
+            pass  # the backend kept the graph and stopped the call, as intended
         except Exception as error:  # noqa: BLE001 (any failure: trace per position instead)
             log.debug("zeroc: shared trace failed (%s); each position traces itself",
                       str(error).splitlines()[0] if str(error) else type(error).__name__)

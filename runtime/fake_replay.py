@@ -180,19 +180,18 @@ def _describe(outs: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
 
 def _whole(out: _Fresh) -> bool:
     """Whether ``out``'s elements span exactly its storage."""
-    numel = 1
-    for n in out.size:
-        numel *= n
-    span = 0 if numel == 0 else 1 + sum((n - 1) * s for n, s in zip(out.size, out.stride,
-                                                                  strict=True))
-    return span * out.dtype.itemsize == out.nbytes
+    return _span_of(out.size, out.stride) * out.dtype.itemsize == out.nbytes
+
+
+def _span_of(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from the first to one past the last one a layout can address."""
+    if any(n == 0 for n in size):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
 
 
 def _span(tensor: torch.Tensor) -> int:
-    """Elements from the first to one past the last one ``tensor`` can address."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return _span_of(tuple(tensor.shape), tensor.stride())
 
 
 def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
