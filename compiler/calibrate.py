@@ -3,8 +3,10 @@
 The measurements are ``zeroc.runtime.calibration``'s: matmul FLOP/s by shape class, memory
 bandwidth, the launch floor and, with ``torch.distributed`` initialized, the all-gather,
 reduce-scatter, all-reduce and p2p fits of the world group and of every other group size
-present (``groups=``). Every rank takes the maximum over the ranks of each time (one
-all-reduce), so every rank gets the same profile and plans the same way. The profile is kept
+present (``groups=``), and, when every rank is on one CPU host, how much slower they compute
+together than alone (``zeroc.runtime.shared_cores``). Every rank takes the maximum over the
+ranks of each time (one all-reduce), so every rank gets the same profile and plans the same
+way. The profile is kept
 in ``<cache_dir>/calibration/<key>.json`` (see ``calibration_key``) and reused; a corrupt or
 stale file is measured again.
 """
@@ -35,6 +37,7 @@ from zeroc.runtime.hardware import (
     profile_for_device_name,
 )
 from zeroc.runtime.mesh import Mesh, resolve_group
+from zeroc.runtime.shared_cores import measure_shared_slowdown
 
 __all__ = ["calibrate", "calibration_key", "calibration_path"]
 
@@ -245,8 +248,12 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, groups: Any = Non
     for label, group in chosen.items():
         log.info("calibrating collectives on group %s (size:link) with %s", label, backend)
         times[label] = calibration.time_collectives(group, device, budget)
+    shared = None
     if distributed:
         table, bandwidth, launch, times = _agree(table, bandwidth, launch, times, device)
+        if device.type == "cpu" and world > 1 and len(set(hosts)) == 1:
+            log.info("calibrating how much slower %d ranks compute together than alone", world)
+            shared = {str(world): measure_shared_slowdown(dist.group.WORLD, budget)}
     fits = _fits(times, chosen, device) if chosen else None
     if fits:
         note = (f"measured with {backend} on groups {', '.join(chosen)} of a {world}-rank "
@@ -269,7 +276,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, groups: Any = Non
         source=f"measured by zeroc.calibrate on {socket.gethostname()} {when}: "
                f"{key['machine']} x{key['devices']}, torch {torch.__version__}, backend "
                f"{backend}, world {world}, {torch.get_num_threads()} threads; {links}",
-        matmul_flops=table, collectives=fits, collectives_note=note)
+        matmul_flops=table, collectives=fits, collectives_note=note, shared_slowdown=shared)
     calibration.write_cached(root, path, key, profile, "calibration", log)
     log.info("calibrated %s in %.1f s, stored in %s", profile.name,
              time.perf_counter() - start, path)

@@ -227,16 +227,16 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
             if trace is not None and pp > 1 and trace.gm is None:
                 trace.trace(parallel, args, kwargs)
             if trace is not None and trace.reusable:
+                # compiled already: the measured step below is the first step
                 compiled, session = trace.compile(parallel, args, kwargs, options)
-            else:
+            else:  # Dynamo compiles on the first call, outside the tracker
                 compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
-            loss = _loss_of(compiled(*args, **kwargs))
+                _loss_of(compiled(*args, **kwargs))
+            memory = measured_step(compiled, parallel, optimizer, args, kwargs,
+                                   _backward_for(device))
         except Exception as error:
             _explain_value_read(error)
             raise
-        del loss
-        memory = measured_step(compiled, parallel, optimizer, args, kwargs,
-                               _backward_for(device))
         plan = zeroc.explain(compiled) if session is None else build_plan(session)
     seconds = time.perf_counter() - started
     log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)

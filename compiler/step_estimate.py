@@ -7,8 +7,9 @@
 - compute: every compiled graph as a roofline, ``max(FLOPs / peak(dtype), bytes / memory
   bandwidth)``, at least the launch floor. When the plan is for this machine's CPU
   (``op_times``, ``zeroc.runtime.op_timing``), each node that can be rebuilt is instead
-  timed on it, views included (each is a dispatcher call), scaled by the ranks' share of the
-  cores; the roofline stays for the rest. Pipelines: each stage's F, B and W from its own
+  timed on it, views included (each is a dispatcher call), times how much slower the host's
+  ranks compute together than alone (``zeroc.runtime.shared_cores``); the roofline stays for
+  the rest. Pipelines: each stage's F, B and W from its own
   graphs (``g0.s3.forward``, ``.backward`` or ``.input_grad`` + ``.weight_grad``), run
   through the schedule simulator (``zeroc.runtime.simulate``), so the bubble is the one of this
   schedule with these costs; one rank's step is the simulated makespan.
@@ -17,7 +18,9 @@
   than a node has). A collective inside a graph runs on one communication stream from the
   node that issues it, and the node that waits for it waits for its end: it hides behind the
   compute between issue and wait, and the rest is exposed (a graph's time includes it; in a
-  pipeline, so do the stage costs). The once-per-step ZeRO gathers and reductions of a
+  pipeline, so do the stage costs). On this machine's CPU, when the ranks' threads fill its
+  cores, gloo's copies and reductions run on the cores that compute: each collective runs in
+  line, and nothing hides. The once-per-step ZeRO gathers and reductions of a
   pipeline (``g0.step``) and the optimizer step's are exposed in full. A pipeline's p2p
   transfer (the largest message between two stages, ``PipelineInfo.message_bytes``: latency +
   bytes / link bandwidth, inter-node links when a pipeline position spans a node) delays
@@ -126,10 +129,15 @@ def _graph_timeline_s(graph: Any, collectives: list[Any], dtype: str, profile: A
             waited.setdefault(c.waited_at, []).append(c)
         else:
             loose.append(c)
+    # On CPU ranks that fill their host's cores the collectives run on the cores that compute
+    # (``zeroc.runtime.shared_cores``): each runs in line, nothing hides.
+    inline = bool(getattr(op_times, "inline_communication", False))
     now = comm_free = compute = 0.0
     ends: dict[str, float] = {}
     for c in loose:
         comm_free += _one_collective_s(c, dp, profile, inter_node)
+    if inline:
+        now = comm_free
     for node in nodes:
         for c in waited.get(node.name, ()):
             now = max(now, ends.get(c.name, now))
@@ -139,6 +147,8 @@ def _graph_timeline_s(graph: Any, collectives: list[Any], dtype: str, profile: A
         for c in issued.get(node.name, ()):
             start = max(now, comm_free)
             comm_free = ends[c.name] = start + _one_collective_s(c, dp, profile, inter_node)
+            if inline:
+                now = comm_free
     if not nodes:
         compute = now = _graph_s(graph, dtype, profile)
     return compute, max(now, comm_free)

@@ -47,7 +47,7 @@ from zeroc.runtime.hardware import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # of the files under <cache_dir>/calibration/; another one is measured again
+FORMAT = 3  # of the files under <cache_dir>/calibration/; another one is measured again
 DEFAULT_SECONDS = 0.3  # per measurement: about 3 s on one CPU, 15 s on GPUs with 3 group sizes
 MAX_REPS = 200
 # (m, k, n) of a square and a skinny product per shape class (the class of 2*m*k*n FLOPs).

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from zeroc.runtime.errors import OptionError
+from zeroc.runtime.shared_cores import check_shared_slowdown
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ SHAPE_CLASS_BOUNDS = (1e8, 1e10)
 _FLOAT_FIELDS = ("memory_bytes_per_s", "intra_node_bytes_per_s", "intra_node_latency_s",
                  "inter_node_bytes_per_s", "inter_node_latency_s", "launch_floor_s")
 _INT_FIELDS = ("memory_bytes", "devices_per_node")
-_OPTIONAL_FIELDS = ("matmul_flops", "collectives", "collectives_note")
+_OPTIONAL_FIELDS = ("matmul_flops", "collectives", "collectives_note", "shared_slowdown")
 _LINKS = {False: "intra", True: "inter"}  # the link part of a collectives key
 _PROFILES: dict[str, HardwareProfile] = {}  # filled from hardware_profiles.json below
 
@@ -112,6 +113,8 @@ class HardwareProfile:
     matmul_flops: dict[str, dict[str, float]] | None = None
     collectives: dict[str, dict[str, dict[str, Any]]] | None = None
     collectives_note: str | None = None
+    # A CPU's: how much slower a rank computes with N ranks busy on its host ({"N": factor}).
+    shared_slowdown: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         where = f"hardware profile {self.name!r}: key"
@@ -138,6 +141,8 @@ class HardwareProfile:
             from zeroc.runtime.calibration import check_tables  # it imports this module
 
             check_tables(self)
+        object.__setattr__(self, "shared_slowdown", check_shared_slowdown(
+            f"hardware profile {self.name!r}: key", self.shared_slowdown))
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.source))

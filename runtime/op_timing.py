@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zeroc.runtime.calibration import write_json
 from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
+from zeroc.runtime.shared_cores import no_spare_cores, slowdown_for
 
 __all__ = ["OpTimes", "encode_call", "op_times_for"]
 
@@ -202,11 +203,15 @@ def _time_adamw(numels: list[int], dtensor: bool) -> float | None:
 class OpTimes:
     """Measured seconds per encoded call on this machine's CPU (see the module docstring)."""
 
-    def __init__(self, cache_dir: str | None = None, ranks_per_machine: int = 1) -> None:
+    def __init__(self, cache_dir: str | None = None, ranks_per_machine: int = 1,
+                 profile: Any = None) -> None:
         self.device = torch.device("cpu")
-        # Ops are timed alone; ranks sharing fewer cores than their threads each get a share.
-        threads = ranks_per_machine * torch.get_num_threads()
-        self.scale = max(1.0, threads / (os.cpu_count() or 1))
+        # Ops are timed alone: in the job every rank of the host computes at once, each this
+        # much slower (measured by the profile's calibration, else the ranks' share of cores).
+        threads = torch.get_num_threads()
+        self.scale = slowdown_for(profile, ranks_per_machine, threads)
+        # Collectives run on the cores the ranks compute on: none is hidden behind compute.
+        self.inline_communication = no_spare_cores(ranks_per_machine, threads)
         key = {"cpu_model": cpu_model(), "cores": os.cpu_count() or 1,
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "method": _METHOD}
@@ -233,7 +238,7 @@ class OpTimes:
 
     def seconds(self, call: str) -> float | None:
         """Seconds of one run of ``call`` by one of the job's ranks (measured alone once, then
-        remembered, and scaled by the ranks' share of the cores); None when it has no
+        remembered, times ``self.scale``, the host's shared slowdown); None when it has no
         measurable form."""
         if not call:
             return None
@@ -278,4 +283,4 @@ def op_times_for(profile: Any, device: str, world: int,
         return None
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks = min(world, int(local)) if local.isdigit() and int(local) > 0 else world
-    return OpTimes(cache_dir, ranks_per_machine=ranks)
+    return OpTimes(cache_dir, ranks_per_machine=ranks, profile=profile)

@@ -255,6 +255,8 @@ def test_two_gloo_ranks_measure_the_collectives(tmp_path: Any) -> None:
         assert groups["2:intra"]["latency_s"] > 0 and groups["2:intra"]["bytes_per_s"] > 0
     assert "rank_chunk_mean" in fits["reduce_scatter"]["2:intra"]["op"]  # gloo's, as zeroc runs
     assert "gloo" in profile.collectives_note and "2:intra" in profile.collectives_note
+    # Both ranks on this host: how much slower they compute together than alone, >= 1.
+    assert list(profile.shared_slowdown) == ["2"] and profile.shared_slowdown["2"] >= 1.0
     assert estimate_collective_s("all_reduce", 1 << 20, 2, profile, False) == pytest.approx(
         fits["all_reduce"]["2:intra"]["latency_s"] + (1 << 20)
         / fits["all_reduce"]["2:intra"]["bytes_per_s"])
