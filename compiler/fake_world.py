@@ -227,11 +227,12 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
             if trace is not None and pp > 1 and trace.gm is None:
                 trace.trace(parallel, args, kwargs)
             if trace is not None and trace.reusable:
-                # compiled already: the measured step below is the first step
                 compiled, session = trace.compile(parallel, args, kwargs, options)
-            else:  # Dynamo compiles on the first call, outside the tracker
+            else:
                 compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
-                _loss_of(compiled(*args, **kwargs))
+            # A first step outside the tracker: what it keeps for later steps (buffers made
+            # once) is not part of a later step's peak, which the tracker measures.
+            _loss_of(compiled(*args, **kwargs))
             memory = measured_step(compiled, parallel, optimizer, args, kwargs,
                                    _backward_for(device))
         except Exception as error:
