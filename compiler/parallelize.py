@@ -228,7 +228,10 @@ def parallelize(
         zero, pp, tuned, tuned_from = _tuned_layout(model, layout, cache_dir)
     _validate(model, zero)
     _check_process_group(mesh)
-    check_meta_initializable(model, init_fn)
+    if PLANNING.shared is None or not PLANNING.shared.get("meta_initializable"):
+        check_meta_initializable(model, init_fn)
+        if PLANNING.shared is not None:  # the positions of one world plan copies of one model
+            PLANNING.shared["meta_initializable"] = True
     policy = _policy(mixed_precision)
     device = _materialize_device()
     mesh_ = build_mesh(pp, mesh, device.type)

@@ -233,14 +233,24 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
             outs.append(out.value)
         elif isinstance(out, _OfInput):
             source = args[out.index]
-            outs.append(source if out.same else
-                        source.as_strided(out.size, out.stride,
-                                          source.storage_offset() + out.offset))
+            outs.append(source if out.same else _view_of_input(mode, source, out))
         elif not out.view:
             outs.append(made[index])
         else:
             outs.append(view(out))
     return tuple(outs) if record.as_tuple else outs
+
+
+def _view_of_input(mode: Any, source: torch.Tensor, out: _OfInput) -> torch.Tensor:
+    """``source.as_strided(...)`` without dispatching an op through fake tensor mode (most of
+    a replay's time): a meta tensor set to ``source``'s own storage, wrapped. It has no
+    ``_base``; nothing reads one of it: the executor's fresh-gradient test already fails on
+    its storage, which an input of the same call shares."""
+    with _disable_current_modes():
+        meta = torch.empty(0, dtype=source.dtype, device="meta")
+        meta.set_(source.untyped_storage(), source.storage_offset() + out.offset, out.size,
+                  out.stride)
+        return FakeTensor(mode, meta, source.device)
 
 
 class _GraphMemory(StepMemory):

@@ -31,24 +31,28 @@ import torch.distributed as dist
 
 from zeroc.runtime.errors import OptionError
 
-__all__ = ["check_shared_slowdown", "measure_shared_slowdown", "no_spare_cores",
-           "slowdown_for"]
+__all__ = ["check_shared_slowdown", "compute_mix_seconds", "measure_shared_slowdown",
+           "no_spare_cores", "slowdown_for"]
 
-_WIDTH = 192  # the compute mix's width: its tensors (under 1 MiB) fit a core's cache
+# The compute mix's widths: tensors of 256 KiB (within a core's own cache) and of 1 MiB (past
+# it, as a transformer block's activations are). Sharing slows the second kind most: on a
+# 2-core virtual machine two ranks ran the 256-wide mix as fast as one, the 512-wide one
+# 1.4-1.5x slower, and a small GPT's forward and backward 1.1-1.2x slower.
+_WIDTHS = (256, 512)
 
 
 def _compute_mix() -> Any:
     """One run of the fixed mix of ops a transformer's graphs are made of."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(_WIDTH, _WIDTH, generator=generator)
-    b = torch.randn(_WIDTH, _WIDTH, generator=generator)
-    weight = torch.ones(_WIDTH)
+    pairs = [(torch.randn(w, w, generator=generator), torch.randn(w, w, generator=generator),
+              torch.ones(w)) for w in _WIDTHS]
 
-    def run() -> torch.Tensor:
-        x = torch.mm(a, b)
-        x = torch.nn.functional.gelu(x)
-        x = torch.nn.functional.layer_norm(x, (_WIDTH,), weight)
-        return torch.softmax(x, dim=-1)
+    def run() -> None:
+        for a, b, weight in pairs:
+            x = torch.mm(a, b)
+            x = torch.nn.functional.gelu(x)
+            x = torch.nn.functional.layer_norm(x, (a.shape[1],), weight)
+            torch.softmax(x, dim=-1)
 
     return run
 
@@ -69,6 +73,13 @@ def _seconds_per_run(run: Any, seconds: float) -> float:
             run()
         times.append((time.perf_counter() - begin) / batch)
     return statistics.median(times)
+
+
+def compute_mix_seconds(seconds: float) -> float:
+    """Seconds of one run of the compute mix on this process now (measured for ``seconds``):
+    the reference ``zeroc.runtime.op_timing`` compares a table's age against."""
+    with torch.no_grad():
+        return _seconds_per_run(_compute_mix(), seconds)
 
 
 def measure_shared_slowdown(group: dist.ProcessGroup, seconds: float) -> float:

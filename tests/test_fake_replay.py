@@ -51,15 +51,16 @@ def test_a_replay_leaves_the_tracker_where_a_run_does() -> None:
     assert q.untyped_storage()._cdata == k.untyped_storage()._cdata == v.untyped_storage()._cdata
     assert wt.untyped_storage()._cdata == w2.untyped_storage()._cdata and wt.shape == (24, 16)
     assert xo is x2
-    # ``_base`` where it can matter: an output alone spanning its whole storage (the executor
-    # keeps such a gradient uncopied only when it is no view).
-    def alone_and_whole(o, outs):
-        sharing = [p for p in outs if isinstance(p, torch.Tensor)
+    # ``_base`` where it can matter: an output alone, among the call's inputs and outputs, on
+    # a storage it spans whole (the executor keeps such a gradient uncopied only when it is
+    # no view). A view of an input (``wt``) shares the input's storage: it is copied anyway.
+    def alone_and_whole(o, call):
+        sharing = [p for p in call if isinstance(p, torch.Tensor)
                    and p.untyped_storage()._cdata == o.untyped_storage()._cdata]
         return len(sharing) == 1 and o.untyped_storage().nbytes() == o.numel() * o.element_size()
 
-    assert [o._base is not None for o in outs if alone_and_whole(o, outs)] == [
-        o._base is not None for o in run_outs if alone_and_whole(o, run_outs)]
+    assert [o._base is not None for o in outs if alone_and_whole(o, (x2, w2, *outs))] == [
+        o._base is not None for o in run_outs if alone_and_whole(o, (x, w, *run_outs))]
     assert whole._base is not None and run_outs[-1]._base is not None
     assert [(o.shape, o.stride(), o.dtype) for o in outs] == [
         (o.shape, o.stride(), o.dtype) for o in run_outs]
