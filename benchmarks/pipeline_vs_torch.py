@@ -11,7 +11,10 @@ fresh ranks (``zeroc.launch.run_ranks``), so a rank's peak RSS is that configura
 - ``zeroc_dualpipev`` / ``zeroc_1f1b``: ``zeroc.parallelize(model, zero=0, pp=4)`` (replicated
   parameters, dp=1: no sharding, as in torch's pipelining alone) and ``torch.compile(model,
   backend="zeroc", options={"schedule", "microbatches", "split_points"})``, the split pinned to
-  torch's: one block per stage for dualpipev's 8 stages, two for 1f1b's 4.
+  torch's: one block per stage for dualpipev's 8 stages, two for 1f1b's 4. By default with
+  ``"kernels": "inductor"`` (``--zeroc-options``): Inductor's C++ kernels for zeroc's graphs,
+  which cost a longer first step (35-70 s here) and give the CPU's fastest step after it;
+  ``--zeroc-options '{}'`` measures the aten default instead.
 - ``torch_dualpipev`` / ``torch_1f1b``: the same GPT cut by hand into stage modules (embeddings
   first, ``ln_f`` + head last), ``PipelineStage`` each, ``ScheduleDualPipeV`` (stages r and
   2P-1-r on rank r) or ``Schedule1F1B``, ``loss_fn`` = cross-entropy.
@@ -418,8 +421,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(name, type=int, default=default)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
-    parser.add_argument("--zeroc-options", default="{}", metavar="JSON",
-                        help='extra zeroc compile options, e.g. \'{"partitioner": "default"}\'')
+    parser.add_argument("--zeroc-options", default='{"kernels": "inductor"}', metavar="JSON",
+                        help="extra zeroc compile options (default: Inductor's kernels, the "
+                             "CPU's fastest steady step); '{}' for the aten default")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error(f"--steps={args.steps}, --warmup={args.warmup} and --repeats="

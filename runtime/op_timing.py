@@ -15,13 +15,6 @@ calls 1 MiB is written: in a graph other ops run between two calls of one op, so
 inputs are not all in the core's own cache (timed back to back, matmuls and small pointwise
 ops ran up to 5x faster than inside the graph; with 8 MiB written they ran up to 2x slower).
 
-The host's speed drifts while a table ages (on a shared virtual machine the same steps ran
-30% slower an hour apart), so the table keeps the time of a fixed compute mix
-(``zeroc.runtime.shared_cores``) from when it began; each estimate times the mix again and
-scales the times it reads from the table (not the ones it times itself) by the ratio. The
-times are then multiplied by the host's shared slowdown: in a job all its ranks compute at
-once.
-
 A call that cannot be rebuilt (an op that is not an aten ``OpOverload``, an argument that is
 not a tensor or a plain value, an op that raises on the rebuilt inputs) has no time, and the
 estimate keeps its roofline for that node.
@@ -42,7 +35,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zeroc.runtime.calibration import write_json
 from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
-from zeroc.runtime.shared_cores import compute_mix_seconds, no_spare_cores, slowdown_for
+from zeroc.runtime.shared_cores import no_spare_cores, slowdown_for
 
 __all__ = ["OpTimes", "encode_call", "op_times_for"]
 
@@ -61,10 +54,6 @@ _METHOD = "median-of-15, 1 MiB written between calls"
 _SKIPPED_NAMESPACES = ("_c10d_functional", "c10d", "zeroc")
 _COMPUTE_ONLY = {"zeroc.linear_cross_entropy"}
 _PLAIN = (bool, int, float, str, type(None))
-# The table's entry holding the compute mix's seconds when its first op was timed, and how
-# long that mix is timed for.
-_REFERENCE = "$reference"
-_REFERENCE_SECONDS = 0.1
 
 
 def _concrete(value: Any) -> int:
@@ -231,15 +220,6 @@ class OpTimes:
         self.root, self.path = root, os.path.join(root, "op_times", f"ops-{digest}.json")
         self.times: dict[str, float | None] = self._read()
         self.measured = 0
-        # The host's speed drifts (other tenants, clocks): times read from the table are
-        # scaled by how much slower the compute mix runs now than when the table began.
-        now = compute_mix_seconds(_REFERENCE_SECONDS)
-        then = self.times.get(_REFERENCE)
-        if then is None or not self.times:
-            self.times = {_REFERENCE: now}
-            self.measured = 1
-        self.drift = min(4.0, max(0.25, now / then)) if then else 1.0
-        self.fresh: set[str] = set()  # timed by this process: at today's speed already
 
     def _read(self) -> dict[str, float | None]:
         try:
@@ -264,15 +244,9 @@ class OpTimes:
             return None
         if call not in self.times:
             self.times[call] = _time_call(call, self.device)
-            self.fresh.add(call)
             self.measured += 1
-        return self._scaled(call)
-
-    def _scaled(self, key: str) -> float | None:
-        seconds = self.times[key]
-        if seconds is None:
-            return None
-        return seconds * self.scale * (1.0 if key in self.fresh else self.drift)
+        seconds = self.times[call]
+        return None if seconds is None else seconds * self.scale
 
     def optimizer_seconds(self, numels: list[int], dtensor: bool) -> float | None:
         """Seconds of one AdamW step over parameters of ``numels`` elements (DTensors when
@@ -283,9 +257,9 @@ class OpTimes:
                          sort_keys=True, separators=(",", ":"))
         if key not in self.times:
             self.times[key] = _time_adamw(numels, dtensor)
-            self.fresh.add(key)
             self.measured += 1
-        return self._scaled(key)
+        seconds = self.times[key]
+        return None if seconds is None else seconds * self.scale
 
     def save(self) -> None:
         """Persist the table (private directories, through a temporary file); a failure is

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from zeroc.runtime.errors import OptionError
 
-__all__ = ["check_shared_slowdown", "compute_mix_seconds", "measure_shared_slowdown",
-           "no_spare_cores", "slowdown_for"]
+__all__ = ["check_shared_slowdown", "measure_shared_slowdown", "no_spare_cores",
+           "slowdown_for"]
 
 # The compute mix's widths: tensors of 256 KiB (within a core's own cache) and of 1 MiB (past
 # it, as a transformer block's activations are). Sharing slows the second kind most: on a
@@ -73,13 +73,6 @@ def _seconds_per_run(run: Any, seconds: float) -> float:
             run()
         times.append((time.perf_counter() - begin) / batch)
     return statistics.median(times)
-
-
-def compute_mix_seconds(seconds: float) -> float:
-    """Seconds of one run of the compute mix on this process now (measured for ``seconds``):
-    the reference ``zeroc.runtime.op_timing`` compares a table's age against."""
-    with torch.no_grad():
-        return _seconds_per_run(_compute_mix(), seconds)
 
 
 def measure_shared_slowdown(group: dist.ProcessGroup, seconds: float) -> float:

@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from zeroc.runtime import hardware
+from zeroc.runtime import cpu_profile as cpu_profile_module
+from zeroc.runtime.cpu_profile import calibrate_cpu, cpu_profile
 from zeroc.runtime.hardware import (
     KNOWN_PROFILES,
     HardwareProfile,
-    calibrate_cpu,
-    cpu_profile,
     estimate_collective_s,
     estimate_compute_s,
     get_profile,
@@ -244,7 +243,7 @@ class _CountingCalibration:
 @pytest.fixture
 def counting(monkeypatch: pytest.MonkeyPatch) -> _CountingCalibration:
     fake = _CountingCalibration()
-    monkeypatch.setattr(hardware, "calibrate_cpu", fake)
+    monkeypatch.setattr(cpu_profile_module, "calibrate_cpu", fake)
     return fake
 
 
@@ -324,7 +323,7 @@ def test_cpu_profile_round_trips_a_real_measurement(
     def must_not_run(seconds: float = 5.0) -> HardwareProfile:
         raise AssertionError("calibrated again although the cache holds this machine")
 
-    monkeypatch.setattr(hardware, "calibrate_cpu", must_not_run)
+    monkeypatch.setattr(cpu_profile_module, "calibrate_cpu", must_not_run)
     assert cpu_profile(cache_dir=str(tmp_path), seconds=1.0) == measured
 
 
