@@ -6,9 +6,8 @@ reduce-scatter, all-reduce and p2p fits of the world group and of every other gr
 present (``groups=``), and, when every rank is on one CPU host, how much slower they compute
 together than alone (``zeroc.runtime.shared_cores``). Every rank takes the maximum over the
 ranks of each time (one all-reduce), so every rank gets the same profile and plans the same
-way. The profile is kept
-in ``<cache_dir>/calibration/<key>.json`` (see ``calibration_key``) and reused; a corrupt or
-stale file is measured again.
+way. The profile is kept in ``<cache_dir>/calibration/<key>.json`` (see ``calibration_key``)
+and reused; a corrupt or stale file is measured again.
 """
 
 from __future__ import annotations

@@ -213,8 +213,7 @@ class OpTimes:
         # Collectives run on the cores the ranks compute on: none is hidden behind compute.
         self.inline_communication = no_spare_cores(ranks_per_machine, threads)
         key = {"cpu_model": cpu_model(), "cores": os.cpu_count() or 1,
-               "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "method": _METHOD}
+               "torch": torch.__version__, "threads": threads, "method": _METHOD}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
         self.root, self.path = root, os.path.join(root, "op_times", f"ops-{digest}.json")

@@ -2,9 +2,9 @@
 
 On a CPU the ranks of one host share its cores, caches, memory bandwidth and (on a virtual
 machine) whatever the hypervisor gives them. An op timed alone on an idle host runs faster
-than the same op inside a job whose every rank is busy: on a 2-core virtual machine with two
-ranks of one thread each, a GPT's forward took 1.4x its time alone, with no communication in
-it. ``measure_shared_slowdown`` finds that factor on the job's own ranks: each rank of the
+than the same op inside a job whose every rank is busy: on a 2-core virtual machine, two
+processes of one thread each ran a small GPT's forward and backward 1.1-1.2x slower than one
+alone. ``measure_shared_slowdown`` finds that factor on the job's own ranks: each rank of the
 group in turn times a fixed compute mix (a matmul, GELU, a layer norm and a softmax) while
 the others wait in a barrier, then all time it together; the factor is the slowest rank's
 time together over its time alone. ``zeroc.calibrate()`` stores it in the profile
@@ -21,8 +21,6 @@ GPU ranks do not share their device, so nothing is measured on GPUs.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,37 +55,21 @@ def _compute_mix() -> Any:
     return run
 
 
-def _seconds_per_run(run: Any, seconds: float) -> float:
-    """Median seconds of one ``run()``, over batches of runs filling about ``seconds``."""
-    run()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds / 10 or calls < 3:
-        run()
-        calls += 1
-    batch = max(1, calls)
-    times = []
-    deadline = time.perf_counter() + seconds
-    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 50):
-        begin = time.perf_counter()
-        for _ in range(batch):
-            run()
-        times.append((time.perf_counter() - begin) / batch)
-    return statistics.median(times)
-
-
 def measure_shared_slowdown(group: dist.ProcessGroup, seconds: float) -> float:
     """The slowest rank's (time with every rank of ``group`` computing) / (time alone), at
     least 1. Collective: every rank of ``group`` calls it, and gets the same factor."""
-    run = _compute_mix()
+    from zeroc.runtime.calibration import best_rate  # it imports this module's importer
+
+    run, cpu = _compute_mix(), torch.device("cpu")
     with torch.no_grad():
         alone = 0.0
         me = dist.get_rank(group)
         for turn in range(dist.get_world_size(group)):
             dist.barrier(group=group)  # the others wait here, off the cores, while one times
             if turn == me:
-                alone = _seconds_per_run(run, seconds)
+                alone = 1.0 / best_rate(run, 1.0, seconds, cpu)
         dist.barrier(group=group)
-        together = _seconds_per_run(run, seconds)
+        together = 1.0 / best_rate(run, 1.0, seconds, cpu)
     factor = torch.tensor([together / alone], dtype=torch.float64)
     dist.all_reduce(factor, op=dist.ReduceOp.MAX, group=group)
     return max(1.0, float(factor))
