@@ -105,6 +105,8 @@ class FusedKernel:
         self.ir = ir
         self.source = source
         self.source_hash = source_hash(source)
+        # How the step estimate's op timing names this kernel (``zeroc.runtime.op_timing``).
+        self.timing_key = f"zeroc.kernel_{self.source_hash[:16]}.{backend}"
         self.aten_graph = aten_graph
         # The generated function itself: nn.Module's call machinery costs more per call than
         # the group's small aten ops on CPU, and a kernel has no hooks to run.

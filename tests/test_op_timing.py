@@ -115,3 +115,57 @@ def test_the_optimizer_is_timed_on_dtensors_when_parameters_are_sharded(tmp_path
     assert sharded > plain
     assert times.optimizer_seconds([], dtensor=True) == 0.0
     assert not torch.distributed.is_initialized()  # the fake group it made is gone
+
+
+class _Keyed:
+    """A callable named for timing by its ``timing_key``, as zeroc's fused kernels are."""
+
+    timing_key = "zeroc.kernel_test.aten"
+
+    def __init__(self) -> None:
+        self.pointers: list[int] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(1 << 16)  # 256 KiB: a fresh block unless an earlier one is freed
+        self.pointers.append(out.data_ptr())
+        return out.copy_(x.repeat(1 << 6))
+
+
+def test_a_fused_kernel_is_timed_by_its_key_while_it_lives(tmp_path) -> None:
+    kernel = _Keyed()
+    call = encode_call(kernel, (torch.ones(1 << 10),), {})
+    assert json.loads(call)["op"] == _Keyed.timing_key
+    times = OpTimes(str(tmp_path))
+    assert times.seconds(call) is not None
+    # Every timed call (after the warm-up, whose output is let go) wrote memory of its own:
+    # the outputs were held, as a training graph holds what its ops write, instead of
+    # reusing the block the previous call freed.
+    timed = kernel.pointers[1:]
+    assert len(timed) >= 3 and len(set(timed)) == len(timed)
+    del kernel  # gone: its key cannot be rebuilt, and the estimate keeps the roofline
+    assert OpTimes(str(tmp_path / "other")).seconds(call) is None
+
+
+class _NormedLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x)).pow(2).mean()
+
+
+def test_a_planned_graph_times_its_fused_kernels(tmp_path) -> None:
+    import zeroc
+
+    model = _NormedLoss()
+    profile = get_profile({"base": "h100-sxm", "name": "cpu-test",
+                           "source": f"measured on {socket.gethostname()} today"})
+    plan = zeroc.explain(model, (torch.randn(8, 32),), world=1, device="cpu",
+                         hardware=profile, options={"cache_dir": str(tmp_path)})
+    kernels = [c for g in plan.graphs for c in g.node_costs if c.target.startswith("zeroc_")]
+    assert kernels and all(json.loads(c.call)["op"].startswith("zeroc.kernel_")
+                           for c in kernels)
+    times = op_times_for(profile, "cpu", 1, str(tmp_path))
+    assert all(times.seconds(c.call) is not None for c in kernels)
