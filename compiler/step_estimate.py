@@ -7,7 +7,8 @@
 - compute: every compiled graph as a roofline, ``max(FLOPs / peak(dtype), bytes / memory
   bandwidth)``, at least the launch floor. When the plan is for this machine's CPU
   (``op_times``, ``zeroc.runtime.op_timing``), each node that can be rebuilt is instead
-  timed on it, views included (each is a dispatcher call), times how much slower the host's
+  timed on it, views (each is a dispatcher call) and zeroc's fused kernels included, with
+  its output written to fresh memory as in a training graph, times how much slower the host's
   ranks compute together than alone (``zeroc.runtime.shared_cores``); the roofline stays for
   the rest. Pipelines: each stage's F, B and W from its own
   graphs (``g0.s3.forward``, ``.backward`` or ``.input_grad`` + ``.weight_grad``), run
