@@ -24,18 +24,16 @@ init pass writes tensors in module order (true for HF Llama and GPT-2).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from zeroc.meta_skeleton import WriteTracker, empty_like, skeleton, storage_id, swapped
 from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["PLANNING", "InitFn", "check_meta_initializable", "find_initializer",
@@ -100,83 +98,6 @@ def _direct_meta(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     return [(n, t, b) for d, b in tables for n, t in d.items() if t is not None and t.is_meta]
 
 
-def _storage_id(tensor: torch.Tensor) -> int | None:
-    with contextlib.suppress(RuntimeError, NotImplementedError):
-        return tensor.untyped_storage()._cdata
-    return None
-
-
-class _WriteTracker(TorchDispatchMode):
-    """Record the storages in-place ops write; skip writes to storages in ``block``."""
-
-    def __init__(self, block: Container[int] = ()) -> None:
-        super().__init__()
-        self.block, self.written = block, set[int]()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for i, arg in ((i, a) for i, a in enumerate(func._schema.arguments) if a.is_write):
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                sid = _storage_id(t) if isinstance(t, torch.Tensor) else None
-                if sid is not None and sid in self.block:
-                    return t  # a real tensor of the model: a dry run must not change it
-                self.written.add(sid)
-        return func(*args, **kwargs)
-
-
-def _empty_like(t: torch.Tensor, device: torch.device | str = "meta") -> torch.Tensor:
-    """An uninitialized (contiguous) tensor like ``t``; a parameter stays a parameter."""
-    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
-    return nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-
-
-@contextlib.contextmanager
-def _swapped(target: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-    """``target``'s direct tensors are ``tensors`` (by name), the others meta, in the block; one
-    the block re-assigns (``m.w = nn.Parameter(...)``) replaces its entry in ``tensors``."""
-    saved = [(table, dict(table)) for table in (target._parameters, target._buffers)]
-    for table, old in saved:
-        for name, value in old.items():
-            if value is not None:
-                table[name] = tensors.get(name, value if value.is_meta else _empty_like(value))
-    try:
-        yield
-    finally:
-        for table, old in saved:
-            for name in tensors.keys() & table.keys():
-                new = table[name]
-                if isinstance(new, torch.Tensor) and new is not tensors[name] and not new.is_meta:
-                    tensors[name] = new
-            table.clear()
-            table.update(old)
-
-
-def _skeleton(model: nn.Module) -> dict[int, nn.Module]:
-    """id(module) -> a shallow copy of it whose tensors are meta stand-ins (ties kept)."""
-    stand_in: dict[int, torch.Tensor] = {}
-
-    def meta(t: torch.Tensor) -> torch.Tensor:
-        return stand_in.setdefault(id(t), _empty_like(t))
-
-    nodes: dict[int, nn.Module] = {}
-    for module in model.modules():
-        node = nodes[id(module)] = object.__new__(parametrize.type_before_parametrizations(module))
-        node.__dict__.update(module.__dict__)
-        for table in ("_parameters", "_buffers"):
-            old = getattr(module, table)
-            node.__dict__[table] = {n: t if t is None else meta(t) for n, t in old.items()}
-        if parametrize.is_parametrized(module):  # sharded already: stand in for the shard
-            for name, plist in module.parametrizations.items():
-                node._parameters[name] = meta(plist.original)
-    for module in model.modules():
-        old = module._modules
-        nodes[id(module)].__dict__["_modules"] = {
-            n: None if c is None else nodes[id(c)] for n, c in old.items()
-        }
-    return nodes
-
-
 def _rope_inv_freq(module: nn.Module) -> torch.Tensor | None:
     """``inv_freq`` as an HF rotary embedding computes it in ``__init__``, or ``None``."""
     config = getattr(module, "config", None)
@@ -211,14 +132,14 @@ class _Plan:
 
 
 def _build_plan(model: nn.Module, init_fn: InitFn | None) -> _Plan:
-    nodes = _skeleton(model)
+    nodes = skeleton(model)
     pre, post, scope = _walk(model)
-    block = {_storage_id(t) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    block = {storage_id(t) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
     plan = _Plan(init_fn, nodes, _ModelHook(nodes[id(model)]), pre, scope, block, {})
     order = {id(nodes[id(m)]): i for i, m in enumerate(post)}
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         for node in (nodes[id(m)] for m in post) if any(plan.hook.owner.values()) else ():
-            with _WriteTracker() as tracker:
+            with WriteTracker() as tracker:
                 _dry(plan.hook, node)
             for sid in tracker.written:
                 plan.writers.setdefault(sid, []).append(node)
@@ -274,20 +195,20 @@ def _dry_stage(
     node = plan.nodes[id(module)]
     own = {n: t for n, t in {**node._parameters, **node._buffers}.items() if n in names}
     if stage == "hook":
-        covered = tuple(n for n in names if _storage_id(own[n]) in plan.writers)
-        return covered, {w for n in covered for w in plan.writers[_storage_id(own[n])]}
+        covered = tuple(n for n in names if storage_id(own[n]) in plan.writers)
+        return covered, {w for n in covered for w in plan.writers[storage_id(own[n])]}
     if stage == "rope":
         ok = any(n in _ROPE_BUFFERS for n in names) and _rope_inv_freq(node) is not None
         return tuple(n for n in names if ok and n in _ROPE_BUFFERS), set()
     fn = plan.init_fn if stage == "init_fn" else getattr(node, "reset_parameters", None)
     if not callable(fn):
         return (), set()
-    probe, target = {n: _empty_like(t) for n, t in own.items()}, node
+    probe, target = {n: empty_like(t) for n, t in own.items()}, node
     if stage == "init_fn":
         fn, target = functools.partial(fn, module), module
-    with _swapped(target, probe), _WriteTracker(plan.block) as tracker:
+    with swapped(target, probe), WriteTracker(plan.block) as tracker:
         _dry(fn)
-    written = {n for n, t in probe.items() if _storage_id(t) in tracker.written or not t.is_meta}
+    written = {n for n, t in probe.items() if storage_id(t) in tracker.written or not t.is_meta}
     return tuple(n for n in names if n in written), set()
 
 
@@ -332,7 +253,7 @@ def _run(plan: _Plan, stage: str, module: nn.Module, tensors: _Tensors, chain: _
         for t in tensors.values():
             t.copy_(_rope_inv_freq(node))
         return
-    with _swapped(module if stage == "init_fn" else node, tensors):
+    with swapped(module if stage == "init_fn" else node, tensors):
         if stage == "init_fn":
             plan.init_fn(module)
         elif stage == "reset_parameters":
@@ -349,7 +270,7 @@ def _replay_construction(plan: _Plan, until: int, device: torch.device) -> None:
         stages = [s for s, _, _ in plan.stages.get(id(module), ()) if s in ("init_fn", "hook")]
         if not stages or all(is_buffer for _, _, is_buffer in metas):
             continue  # no init pass re-draws it (or only buffers): it is filled in its turn
-        tensors = {n: _empty_like(t, device) for n, t, _ in metas}
+        tensors = {n: empty_like(t, device) for n, t, _ in metas}
         if callable(getattr(module, "reset_parameters", None)):
             stages = ["reset_parameters"]
         with torch.no_grad():
@@ -377,8 +298,8 @@ def materialize_direct(
     if PLANNING.skip_init:  # planning on fake tensors: shapes matter, values do not
         for name, tensor, is_buffer in metas:
             if is_buffer:
-                module._buffers[name] = _empty_like(tensor, device)
-        return {n: _empty_like(t, device).detach() for n, t, is_buffer in metas
+                module._buffers[name] = empty_like(tensor, device)
+        return {n: empty_like(t, device).detach() for n, t, is_buffer in metas
                 if not is_buffer and id(t) not in done}
     plan = _plan_for(model, init_fn)
     if any(s in ("init_fn", "hook") for s, _, _ in plan.stages.get(id(module), ())):
@@ -389,7 +310,7 @@ def materialize_direct(
             path = next(p for p, m in model.named_modules() if m is module)
             raise ValueError(_message(path, module, name, is_buffer))
     tensors = {
-        n: _empty_like(t, device)
+        n: empty_like(t, device)
         for n, t, is_buffer in metas
         if not (is_buffer and id(t) in plan.buffers) and n not in uncovered
     }

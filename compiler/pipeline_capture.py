@@ -40,13 +40,13 @@ from zeroc.log_setup import CompileProgress, decisions
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.hoist_unshard import full_size_inputs
-from zeroc.passes.loss_output import LossOutput
 from zeroc.passes.overlap_fb import overlap_forward_backward
 from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
 from zeroc.passes.specialize_shapes import size_inputs
 from zeroc.passes.split_stages import StageSplit
 from zeroc.passes.split_weight_grad import split_weight_grad
 from zeroc.pipeline_front import pipeline_front, remember_sources
+from zeroc.pipelined_step import PipelinedStep
 from zeroc.runtime.actions import ActionKind, Schedule
 from zeroc.runtime.cost import graph_info, tensor_bytes
 from zeroc.runtime.pipeline_executor import (
@@ -382,44 +382,3 @@ class _LazyInference:
             self.graph = self.compile_graph(traced)
             self.stage_gm = self.args = None  # type: ignore[assignment]
         return self.graph(*args)
-
-
-class _TrainStep(torch.autograd.Function):
-    """Forward: the whole pipelined step; backward: the kept gradients times the incoming."""
-
-    @staticmethod
-    def forward(ctx, executor: PipelineExecutor, inputs: list[Any], indices: tuple[int, ...],
-                *params: torch.Tensor) -> torch.Tensor:
-        loss, grads = executor.run(inputs, train=True)
-        ctx.grads = [grads.get(i) for i in indices]
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        if (not PLANNING.simulated and grad_loss.numel() == 1
-                and float(grad_loss) == 1.0):  # loss.backward(): the gradients as they are
-            scaled = ctx.grads
-        else:
-            scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
-        ctx.grads = None
-        return (None, None, None, *scaled)
-
-
-class PipelinedStep:
-    """The callable Dynamo runs in place of the graph: one pipelined step per call."""
-
-    def __init__(self, executor: PipelineExecutor, grad_inputs: tuple[int, ...],
-                 loss_output: LossOutput) -> None:
-        self.executor = executor
-        self.grad_inputs = grad_inputs
-        self.loss_output = loss_output
-
-    def __call__(self, *args: Any) -> tuple[Any, ...]:
-        inputs = list(args)
-        if torch.is_grad_enabled() and self.grad_inputs:
-            params = [inputs[i] for i in self.grad_inputs]
-            loss = _TrainStep.apply(self.executor, inputs, self.grad_inputs, *params)
-        else:
-            loss, _ = self.executor.run(inputs, train=False)
-        # The model's other outputs (logits, caches) are meta tensors: see passes/loss_output.
-        return self.loss_output.outputs(loss)

@@ -19,22 +19,21 @@ Gradients. The last stage's loss is the mean over micro-batches, so every micro-
 gets the tangent ``1 / microbatches``; parameter gradients accumulate over micro-batches and
 are then summed over the pipeline positions holding the same parameter (``p2p.exchange_and_
 sum``). A micro-batch's first gradient of a parameter is kept as the graph returned it when it
-is a fresh tensor, else copied. After the step one all-gather over the pipeline group collects
-every rank's loss share and action timings, so every rank returns the loss and can draw the
-measured timeline.
+is a fresh tensor, else copied. The step's all-gather gives every rank the loss and every
+rank's action timings (the measured timeline).
 
 Profiling. While a ``torch.profiler`` records (checked once per step), the step runs inside
-``record_function("zeroc/pipeline_step")`` and each action group inside
-``zeroc/<group label>`` (``zeroc/F0@s1``, ``zeroc/SEND_F0@s0->r1``; a compute's wait for
-its messages is inside its action), the end-of-step exchanges inside ``zeroc/step_sync`` and
-``zeroc/step_grad_exchange``, and the per-step ZeRO buckets as ``runtime/pipeline_zero.py``
-names them.
+``record_function("zeroc/pipeline_step")``, each action group inside ``zeroc/<group label>``
+(``zeroc/F0@s1``, ``zeroc/SEND_F0@s0->r1``; a compute's wait for its messages is inside its
+action), the end-of-step exchanges inside ``zeroc/step_sync`` and ``zeroc/step_grad_exchange``
+and the per-step ZeRO buckets as ``runtime/pipeline_zero.py`` names them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -362,10 +361,10 @@ class PipelineExecutor:
             self.backward_results(stage, microbatch, outs, (*args, *outs))
             return
         outs = tuple(_run(program.input_grad, *args))
-        stash = list(outs[program.num_input_grads:])
-        self._pending_w[(stage, microbatch)] = stash + [args[j] for j in program.w_inputs]
-        inputs = outs[:program.num_input_grads]
-        self._send_input_grads(stage, microbatch, inputs[len(program.local_inputs):])
+        split_at = program.num_input_grads  # input gradients, then what W needs
+        self._pending_w[(stage, microbatch)] = [*outs[split_at:],
+                                                *(args[j] for j in program.w_inputs)]
+        self._send_input_grads(stage, microbatch, outs[len(program.local_inputs):split_at])
 
     def _weight(self, stage: int, microbatch: int) -> None:
         program = self.stages[stage]
@@ -384,24 +383,18 @@ class PipelineExecutor:
 
 
 def _run(graph: Callable[..., Any], *args: Any) -> Any:
-    """``graph(*args)``; on a planned step's fake tensors, replayed after its first run with
-    the same input shapes (``zeroc.runtime.fake_replay``)."""
+    """``graph(*args)``; on a planned step's fakes, replayed (``zeroc.runtime.fake_replay``)."""
     return fake_replay.call(graph, *args) if PLANNING.simulated else graph(*args)
 
 
 def _storage_counts(values: tuple[Any, ...]) -> dict[int, int]:
     """How many of ``values`` (tensors; others are skipped) use each storage (also fakes)."""
-    counts: dict[int, int] = {}
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.numel():
-            address = value.untyped_storage()._cdata
-            counts[address] = counts.get(address, 0) + 1
-    return counts
+    return dict(Counter(v.untyped_storage()._cdata for v in values
+                        if isinstance(v, torch.Tensor) and v.numel()))
 
 
 def _fresh(grad: torch.Tensor, storages: dict[int, int]) -> bool:
-    """Whether ``grad`` owns its storage: no view, the storage exactly its size, and no other
-    value of its call shares it."""
+    """Whether ``grad`` owns its storage: no view, exactly its size, shared by no other value."""
     storage = grad.untyped_storage()
     return (grad._base is None and storage.nbytes() == grad.numel() * grad.element_size()
             and storages.get(storage._cdata, 0) == 1)
