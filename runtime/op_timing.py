@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
 
 from zeroc.runtime.calibration import write_json
 from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
@@ -177,22 +178,14 @@ def _time_call(call: str, device: torch.device) -> float | None:
                 out = target(*args, **kwargs)
                 times.append(time.perf_counter() - start)
                 kept.append(out)
-                kept_bytes += _output_bytes(out)
+                kept_bytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
+                                  if isinstance(t, torch.Tensor))
                 if kept_bytes > _KEPT_BYTES:
                     kept, kept_bytes = [], 0
     except Exception as error:  # an op that needs real values, or arguments we cannot rebuild
         log.debug("op timing: %s did not run on rebuilt inputs (%s)", spec["op"], error)
         return None
     return statistics.median(times)
-
-
-def _output_bytes(value: Any) -> int:
-    """Bytes of the tensors in an op's output (a tensor or a tuple / list of them)."""
-    if isinstance(value, torch.Tensor):
-        return value.untyped_storage().nbytes()
-    if isinstance(value, (tuple, list)):
-        return sum(_output_bytes(v) for v in value)
-    return 0
 
 
 def _time_adamw(numels: list[int], dtensor: bool) -> float | None:
