@@ -16,13 +16,15 @@
 4. **Cache.** The winner goes to ``<cache_dir>/tune/`` (``zeroc.tune_space``); a later
    ``tune`` of the same model, world and device returns it without searching.
 
+A world that is not here (``world=W``) is ranked without measuring: every candidate is
+screened on one profiled step and the best are planned in full (``zeroc.tune_world``).
+
 Progress goes to the log and, on rank 0, to a one-line progress bar on stderr.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import statistics
 import sys
@@ -31,13 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tabulate import tabulate
 from torch import nn
 
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
 from zeroc.runtime.plan_text import human_bytes
 from zeroc.tune_estimate import estimate_all
+from zeroc.tune_result import Trial, TuneResult
 from zeroc.tune_space import (
     Candidate,
     cache_path,
@@ -48,79 +50,11 @@ from zeroc.tune_space import (
     read_on_rank0,
     write_cached,
 )
+from zeroc.tune_world import PLAN_BUDGET_S, tune_world
 
 __all__ = ["TuneResult", "Trial", "tune"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Trial:
-    """One candidate's figures; ``rejected`` says why it lost outright (empty: it competed)."""
-
-    candidate: Candidate
-    estimated_s: float | None = None
-    peak_bytes: int | None = None
-    measured_s: float | None = None
-    rejected: str = ""
-    # The estimate's parts: compute_s, exposed_communication_s, optimizer_s, bubble.
-    parts: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return {"candidate": self.candidate.to_json(), "estimated_s": self.estimated_s,
-                "peak_bytes": self.peak_bytes, "measured_s": self.measured_s,
-                "rejected": self.rejected, "parts": self.parts}
-
-
-@dataclasses.dataclass(frozen=True)
-class TuneResult:
-    """The winner, every trial, and whether it came from the cache."""
-
-    best: Candidate
-    trials: tuple[Trial, ...]
-    from_cache: bool
-    cache_file: str
-    measured: bool = True  # False: chosen by the estimate alone (a world that is not here)
-
-    def why(self) -> str:
-        """Why the winner wins: its memory, bubble and exposed communication against the
-        runner-up's, from the estimates."""
-        by = {t.candidate: t for t in self.trials}
-        best = by.get(self.best)
-        if best is None or best.estimated_s is None:
-            return f"{self.best.label()}: from the cache"
-        others = sorted((t for t in self.trials if t.estimated_s is not None and not
-                         t.rejected and t.candidate != self.best), key=lambda t: t.estimated_s)
-        fits = sum(1 for t in self.trials if t.peak_bytes and not t.rejected.startswith("needs"))
-        text = (f"{self.best.label()}: estimated step {best.estimated_s * 1e3:.3g} ms, peak "
-                f"{human_bytes(best.peak_bytes or 0)} ({fits} of {len(self.trials)} candidates "
-                f"fit in memory), bubble {best.parts.get('bubble', 0.0):.0%}, exposed "
-                f"communication {best.parts.get('exposed_communication_s', 0.0) * 1e3:.3g} ms")
-        if others:
-            runner = others[0]
-            text += (f"; next best {runner.candidate.label()} at "
-                     f"{runner.estimated_s * 1e3:.3g} ms (bubble "
-                     f"{runner.parts.get('bubble', 0.0):.0%}, exposed communication "
-                     f"{runner.parts.get('exposed_communication_s', 0.0) * 1e3:.3g} ms)")
-        return text
-
-    def table(self) -> str:
-        """The trials as a table: candidate, estimated and measured step, peak, why rejected."""
-        rows = [[t.candidate.label() + (" *" if t.candidate == self.best else ""),
-                 "-" if t.estimated_s is None else f"{t.estimated_s * 1e3:.3g}",
-                 "-" if t.measured_s is None else f"{t.measured_s * 1e3:.3g}",
-                 "-" if t.peak_bytes is None else human_bytes(t.peak_bytes), t.rejected]
-                for t in self.trials]
-        return tabulate(rows, headers=["candidate (* chosen)", "estimated step (ms)",
-                                       "measured step (ms)", "planned peak", "rejected"])
-
-    def apply(self, model: nn.Module) -> dict[str, Any]:
-        """Parallelize ``model`` with the winning layout; return its compile options."""
-        from zeroc.parallelize import parallelize
-
-        parallelize(model, zero=self.best.zero, pp=self.best.pp)
-        return self.best.options_dict()
 
 
 def _world() -> tuple[int, int]:
@@ -173,6 +107,7 @@ def _same_inputs(example_inputs: Any) -> Any:
     return example_inputs
 
 
+MEASURE_BUDGET_S = 300.0  # default seconds for tuning the world at hand
 WARMUP_STEPS = 2  # the compiling step and one more (a recompile after the first step)
 
 
@@ -207,7 +142,7 @@ def _agree_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
-def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
+def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None,
          search: dict[str, Any] | None = None, measure_best: int = 3, steps: int = 5,
          device: str | None = None, hardware: Any = None, cache_dir: str | None = None,
          force: bool = False, world: int | None = None) -> TuneResult:
@@ -216,19 +151,24 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
     ``example_inputs``: one replica's batch (a tuple or a dict of keyword inputs; under
     ``torch.distributed`` rank 0's is used everywhere). ``search``: axes to narrow or widen
     (``zeroc.tune_space.SEARCH_AXES``). ``budget_s``: wall-clock seconds for estimating and
-    measuring; ``measure_best``: how many candidates run for real. ``hardware``: the profile
+    measuring (default 300; 90 for a world that is not here); ``measure_best``: how many
+    candidates run for real (for a world that is not here: at most how many are planned in
+    full after the screen). ``hardware``: the profile
     estimates use (default: ``zeroc.calibrate()`` of this machine). Returns a ``TuneResult``;
     ``result.apply(model)`` parallelizes and returns the compile options.
 
     ``world=W`` (not this process's world) ranks layouts for a W-rank job from the fake world
     alone, measuring nothing (``result.measured`` is False; ``result.why()`` says why the
-    winner wins). The model may then be on the meta device.
+    winner wins): every candidate is screened on one profiled step and the best are planned
+    in full (``zeroc.tune_world``). The model may then be on the meta device.
     """
+    here, rank = _world()
+    planning = world is not None and world != here
+    if budget_s is None:
+        budget_s = PLAN_BUDGET_S if planning else MEASURE_BUDGET_S
     if budget_s <= 0 or measure_best < 1 or steps < 1:
         raise OptionError(f"zeroc.tune: budget_s={budget_s!r} must be > 0, measure_best="
                           f"{measure_best!r} and steps={steps!r} >= 1")
-    here, rank = _world()
-    planning = world is not None and world != here
     world = here if world is None else world
     if world < 1:
         raise OptionError(f"zeroc.tune: world={world!r} must be a positive number of ranks")
@@ -240,7 +180,8 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
         log.info("zeroc.tune: using the cached layout %s from %s", cached["best"], path)
         trials = tuple(Trial(Candidate.from_json(t["candidate"]), t["estimated_s"],
                              t["peak_bytes"], t["measured_s"], t["rejected"],
-                             dict(t.get("parts", {}))) for t in cached.get("trials", ()))
+                             dict(t.get("parts", {})), t.get("screened_s"))
+                       for t in cached.get("trials", ()))
         return TuneResult(Candidate.from_json(cached["best"]), trials, True, path)
     start = time.perf_counter()
     if hardware is None:
@@ -250,6 +191,10 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
     hardware = get_profile(hardware)  # a name or a dict: the profile (raises naming them)
     space = candidates(world, _batch_rows(example_inputs), search)
     log.info("zeroc.tune: %d candidates for world %d on %s", len(space), world, device)
+    if planning:
+        return tune_world(model, example_inputs, space, world=world, device=device,
+                          hardware=hardware, budget_s=budget_s, plan_best=measure_best,
+                          path=path, progress=lambda phase, d, t: _progress(rank, phase, d, t))
     estimates = estimate_all(model, example_inputs, space, world=world, device=device,
                              hardware=hardware, budget_s=budget_s,
                              progress=lambda d, t: _progress(rank, "estimating", d, t))
@@ -275,14 +220,6 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float = 300.0,
                 "widen the search (more pipeline stages, ZeRO-3) or use a smaller batch")
         reasons = sorted({t.rejected for t in trials})
         raise OptionError(f"zeroc.tune: no candidate could be planned ({'; '.join(reasons)})")
-    if planning:
-        planned = [t for t in alive if t.estimated_s is not None]
-        if not planned:
-            raise OptionError("zeroc.tune: no candidate could be estimated for world="
-                              f"{world}; see the log for why")
-        result = TuneResult(planned[0].candidate, tuple(trials), False, path, measured=False)
-        log.info("zeroc.tune: planned world %d: %s\n%s", world, result.why(), result.table())
-        return result
     spent = time.perf_counter() - start
     one = spent / max(1, sum(1 for t in trials if t.estimated_s is not None))
     if spent > budget_s:

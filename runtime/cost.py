@@ -78,28 +78,33 @@ def _packet(target: Any) -> Any:
     return getattr(target, "overloadpacket", None)
 
 
-def node_cost(node: torch.fx.Node) -> NodeCost:
-    """FLOPs and bytes of one ``call_function`` node (zero for anything else)."""
-    name, target = node.name, _target_name(node)
-    if node.op != "call_function" or node.target is operator.getitem:
-        return NodeCost(name, target, 0, 0)
-    out = node.meta.get("val")
-    packet = _packet(node.target)
-    args = torch.fx.node.map_arg(node.args, _node_value)
-    kwargs = torch.fx.node.map_arg(node.kwargs, _node_value)
-    # Only a plan's step estimate times calls (zeroc.runtime.op_timing); a training compile
-    # keeps none.
-    call = encode_call(node.target, args, kwargs) if PLANNING.device is not None else ""
+def is_alias(target: Any) -> bool:
+    """Whether ``target`` (an aten op) returns a view of an input: it moves no bytes."""
+    return _packet(target) in _ALIAS_PACKETS
+
+
+def is_pointwise(target: Any) -> bool:
+    """Whether ``target`` (an aten op) is elementwise work: neither a view, nor a reduction,
+    nor an op with a FLOP formula (matmuls, convolutions, attention)."""
+    packet = _packet(target)
+    return (packet is not None and packet not in _ALIAS_PACKETS
+            and packet not in _REDUCTION_PACKETS and packet not in flop_registry)
+
+
+def call_cost(target: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:
+    """``(FLOPs, bytes)`` of one call of ``target`` on (fake) ``args`` and ``kwargs`` that gave
+    ``out`` (see the module docstring)."""
+    packet = _packet(target)
     if packet in _ALIAS_PACKETS:
-        return NodeCost(name, target, 0, 0, call)
+        return 0, 0
     in_tensors = _tensors((args, kwargs))
     read = sum(_numel(t) * t.element_size() for t in in_tensors)
     written = tensor_bytes(out)
-    collective = ISSUE_OPS.get(node.target)
+    collective = ISSUE_OPS.get(target)
     if collective is not None:
-        return NodeCost(name, target, 0, collective_bytes(collective, read, written))
-    if node.target is WAIT_OP:
-        return NodeCost(name, target, 0, 0)
+        return 0, collective_bytes(collective, read, written)
+    if target is WAIT_OP:
+        return 0, 0
     flops = 0
     formula = flop_registry.get(packet)
     if formula is not None:
@@ -108,14 +113,33 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
         except Exception:  # a formula that does not accept these args: fall back below
             formula = None
     if formula is None:
-        counter = getattr(node.target, "zeroc_flops", None)
+        counter = getattr(target, "zeroc_flops", None)
         if counter is not None:
             flops = concrete(counter(in_tensors, _tensors(out)))
         elif packet in _REDUCTION_PACKETS:
             flops = sum(_numel(t) for t in in_tensors)
         else:
             flops = sum(_numel(t) for t in _tensors(out))
-    return NodeCost(name, target, flops, read + written, call)
+    return flops, read + written
+
+
+def node_cost(node: torch.fx.Node) -> NodeCost:
+    """FLOPs and bytes of one ``call_function`` node (zero for anything else)."""
+    name, target = node.name, _target_name(node)
+    if node.op != "call_function" or node.target is operator.getitem:
+        return NodeCost(name, target, 0, 0)
+    args = torch.fx.node.map_arg(node.args, _node_value)
+    kwargs = torch.fx.node.map_arg(node.kwargs, _node_value)
+    # Only a plan's step estimate times calls (zeroc.runtime.op_timing); a training compile
+    # keeps none.
+    # a collective or its wait is not timed as an op either.
+    timed = PLANNING.device is not None and node.target not in ISSUE_OPS and (
+        node.target is not WAIT_OP)
+    call = encode_call(node.target, args, kwargs) if timed else ""
+    if is_alias(node.target):
+        return NodeCost(name, target, 0, 0, call)
+    flops, moved = call_cost(node.target, args, kwargs, node.meta.get("val"))
+    return NodeCost(name, target, flops, moved, call)
 
 
 def _target_name(node: torch.fx.Node) -> str:

@@ -1,0 +1,182 @@
+"""The tuner's screen of a world that is not here: the profiled step, its agreement with full
+plans, and ``zeroc.tune(world=64)`` on a Llama-7B-shaped model.
+
+The screen (``zeroc.tune_screen``) models each candidate from one fake training step of the
+plain model (``zeroc.model_profile``); the tuner plans only the screen's best in full. These
+tests check the profile against torch's own counts, the screen's model state and ranking
+against full plans of the same candidates, and the whole search at world 64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models.gpt import GPT, GPTConfig
+from torch.utils.flop_counter import FlopCounterMode
+
+import zeroc
+from zeroc.model_profile import profile_model
+from zeroc.runtime.errors import OptionError
+from zeroc.runtime.hardware import get_profile
+from zeroc.tune_screen import screen, state_bytes
+from zeroc.tune_space import Candidate, candidates
+from zeroc.world_plan import plan_world
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int,
+           seq: int, meta: bool = True) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
+        use_cache=False, tie_word_embeddings=False)
+    if not meta:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return out
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    rx, ry = _ranks(xs), _ranks(ys)
+    mean = (len(xs) - 1) / 2.0
+    cov = sum((a - mean) * (b - mean) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mean) ** 2 for a in rx) * sum((b - mean) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def test_profile_counts_the_step_and_leaves_the_model_alone() -> None:
+    model = GPT(GPTConfig.tiny(), seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    profile = profile_model(model, (tokens, tokens))
+    for name, param in model.named_parameters():  # a meta copy was profiled
+        assert param.device.type == "cpu" and param.grad is None
+        assert torch.equal(param, before[name]), name
+    distinct = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    assert profile.param_bytes == sum(distinct.values())
+    assert sum(op.param_bytes for op in profile.forward) == profile.param_bytes
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, tokens)
+    matmul = counter.get_total_flops()
+    forward = sum(op.flops for op in profile.forward)
+    backward = sum(op.flops for op in profile.backward)
+    assert matmul <= forward < 2 * matmul  # matmuls, and one FLOP per element elsewhere
+    assert 1.5 * forward < backward < 2.5 * forward  # input and weight gradients
+    saved = sum(op.saved for op in profile.forward)
+    assert 0 < saved < sum(op.out_bytes for op in profile.forward)
+    assert profile.rows == 4
+
+
+def test_profile_refuses_a_model_without_a_loss() -> None:
+    class NoLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x), x
+
+    with pytest.raises(ValueError, match="returned tuple; a training step needs a scalar"):
+        profile_model(NoLoss(), (torch.randn(2, 4),))
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_screened_model_state_is_the_planned_one(zero: int) -> None:
+    """Without a pipeline the screen's parameters, gradients and AdamW state per rank are
+    exactly what a full plan measures on its fake tensors (zeroc pads no flat here)."""
+    model = GPT(GPTConfig.tiny(), seed=0)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    profile = profile_model(model, (tokens, tokens))
+    candidate = Candidate(zero, 1, (("fused_loss", True), ("partitioner", "default")))
+    screened = screen(profile, candidate, 4, get_profile("h100-sxm"))
+    plan = plan_world(model, (tokens, tokens), world=4, pp=1, zero=zero, device="cpu")
+    row = plan.memory[0]
+    assert screened.state_bytes == row.params + row.grads + row.optimizer
+    assert screened.state_bytes == state_bytes(profile.param_bytes, zero, 4)
+
+
+@pytest.mark.slow
+def test_screen_ranks_layouts_as_their_plans_do() -> None:
+    """Over pipelines of a small Hugging Face Llama at world 8, the screen orders step time
+    and peak memory as full plans do, and its peaks are within 40% of the planned ones."""
+    model = _llama(layers=4, hidden=256, ffn=704, heads=4, kv_heads=4, vocab=2000, seq=128)
+    tokens = torch.zeros(8, 128, dtype=torch.long)
+    inputs = {"input_ids": tokens, "labels": tokens}
+    hardware = get_profile("h100-sxm")
+    profile = profile_model(model, inputs)
+    layouts = [(2, "1f1b", 2), (2, "1f1b", 8), (2, "dualpipev", 4), (4, "1f1b", 4),
+               (4, "1f1b", 8), (2, "dualpipev", 8)]
+    screened, planned = [], []
+    for pp, schedule, microbatches in layouts:
+        candidate = Candidate(3, pp, tuple(sorted({
+            "schedule": schedule, "microbatches": microbatches, "fused_loss": True,
+            "partitioner": "default", "bucket_mb": 25.0}.items())))
+        screened.append(screen(profile, candidate, 8, hardware))
+        plan = plan_world(model, inputs, world=8, pp=pp, zero=3, device="cuda",
+                          hardware=hardware, options=candidate.options_dict())
+        planned.append((plan.estimate.step_s, max(m.peak for m in plan.memory)))
+    steps = _spearman([s.step_s for s in screened], [p[0] for p in planned])
+    peaks = _spearman([s.peak_bytes for s in screened], [p[1] for p in planned])
+    assert steps >= 0.7, (steps, screened, planned)
+    assert peaks >= 0.7, (peaks, screened, planned)
+    for found, (_, peak) in zip(screened, planned, strict=True):
+        assert 0.6 < found.peak_bytes / peak < 1.4, (found, peak)
+
+
+@pytest.mark.slow
+def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> None:
+    """``zeroc.tune(world=64, device="cuda", hardware="h100-sxm")`` on a Llama-7B-shaped model
+    on the meta device: every candidate screened, the best planned in full, the winner the
+    best planned one that fits, and why it wins."""
+    model = _llama(layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000,
+                   seq=2048)
+    tokens = torch.zeros(16, 2048, dtype=torch.long)
+    result = zeroc.tune(model, {"input_ids": tokens, "labels": tokens}, world=64,
+                        device="cuda", hardware="h100-sxm", cache_dir=str(tmp_path))
+    assert not result.measured and not result.from_cache
+    assert len(result.trials) == len(candidates(64, 16))
+    assert all(t.measured_s is None for t in result.trials)
+    assert all(t.screened_s is not None or t.rejected for t in result.trials)
+    planned = [t for t in result.trials if t.estimated_s is not None]
+    assert 1 <= len(planned) <= 3
+    capacity = get_profile("h100-sxm").memory_bytes
+    fitting = [t for t in planned if not t.rejected]
+    best = min(fitting, key=lambda t: t.estimated_s)
+    assert result.best == best.candidate and best.peak_bytes <= capacity
+    assert best.candidate.pp > 1  # one GPU cannot hold a 7B step of 16 x 2048 tokens
+    assert any(t.rejected.startswith("needs") for t in result.trials)
+    why = result.why()
+    for words in ("fit in memory", "bubble", "exposed communication", "next best"):
+        assert words in why, why
+    assert "screened step (ms)" in result.table()
+
+
+def test_tune_world_names_a_model_it_cannot_profile(tmp_path) -> None:
+    class NoLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x), x
+
+    with pytest.raises(OptionError, match="cannot profile the model's training step"):
+        zeroc.tune(NoLoss(), (torch.randn(8, 4),), world=16, hardware="h100-sxm",
+                   device="cuda", cache_dir=str(tmp_path))
