@@ -319,8 +319,10 @@ def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
     for group in optimizer.param_groups:
         for param in group["params"]:
             sharded = sharded_of(param)
+            # A parameter another pipeline stage holds (released here) has no rows on this
+            # rank; the ranks of one data-parallel group hold the same stages, so they agree.
             if sharded is not None and sharded.record.op_stage == 0 and (
-                    sharded.placement == "shard"):
+                    sharded.placement == "shard") and sharded.held:
                 key = (sharded.spec.group_name, sharded.flat.dtype)
                 pending.setdefault(key, []).append(sharded)
     for params in pending.values():
