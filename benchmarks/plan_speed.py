@@ -10,7 +10,10 @@ Each is planned with ZeRO-3, 1F1B, one sequence of 2048 tokens per micro-batch; 
 prints the wall time of each plan (and of Dynamo tracing the model alone, for scale) and the
 model state the plan gives a rank of the first pipeline position.
 
-    python benchmarks/plan_speed.py [--models 7b,70b] [--device cpu] [--json plan_speed.json]
+    python benchmarks/plan_speed.py [--models 7b,70b] [--device cpu] [--tune] [--json F]
+
+``--tune`` also times ``zeroc.tune(world=..., device="cuda", hardware="h100-sxm")`` on each
+model: every candidate layout screened, the best planned in full (``zeroc.tune_world``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--tune", action="store_true",
+                        help="also time zeroc.tune(world=..., device='cuda', "
+                             "hardware='h100-sxm') on each model (target: 7B in 120 s)")
     args = parser.parse_args(argv)
     import zeroc
 
@@ -86,6 +92,20 @@ def main(argv: list[str] | None = None) -> dict:
               f"{shape['pp']}): planned in {plan_s:.1f} s (Dynamo trace alone {trace_s:.1f} "
               f"s); rank 0 model state {results[name]['rank0_model_state_bytes'] / 2**30:.2f} "
               "GiB", flush=True)
+        if args.tune:
+            import tempfile
+
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory() as cache:
+                tuned = zeroc.tune(model, inputs, world=shape["world"], device="cuda",
+                                   hardware="h100-sxm", cache_dir=cache)
+            tune_s = time.perf_counter() - started
+            planned = sum(1 for t in tuned.trials if t.estimated_s is not None)
+            results[name].update(tune_s=tune_s, tune_candidates=len(tuned.trials),
+                                 tune_planned=planned, tune_best=tuned.best.label())
+            print(f"{name}: tuned for world {shape['world']} in {tune_s:.1f} s "
+                  f"({len(tuned.trials)} candidates screened, {planned} planned): "
+                  f"{tuned.why()}", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)

@@ -39,19 +39,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=1,
                         help="local ranks to start and tune on (gloo on cpu, nccl on cuda); "
                              "ignored under torchrun")
-    parser.add_argument("--budget", type=float, default=300.0,
-                        help="seconds for estimating and measuring (default 300)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for estimating and measuring (default 300; with "
+                             "--world, for screening and planning: default 90)")
     parser.add_argument("--search", default="{}", metavar="JSON",
                         help='axes to narrow or widen, e.g. \'{"zero": [2, 3]}\' (axes: zero, '
                              "pp, schedule, microbatches, bucket_mb, prefetch, fused_loss, "
                              "partitioner)")
     parser.add_argument("--measure", type=int, default=3,
-                        help="how many of the best estimates to measure (default 3)")
+                        help="how many of the best estimates to measure (default 3; with "
+                             "--world, at most how many screened candidates to plan in full)")
     parser.add_argument("--steps", type=int, default=5,
                         help="timed training steps per measured candidate (default 5)")
     parser.add_argument("--world", type=int, default=None,
-                        help="plan a job of this many ranks from the fake world alone "
-                             "(no measuring)")
+                        help="rank layouts for a job of this many ranks from the fake world "
+                             "alone (no measuring): every candidate screened on one profiled "
+                             "step, the best planned in full")
     parser.add_argument("--device", default=None, choices=("cpu", "cuda"),
                         help="device to tune for (default: cuda if there is a GPU per local "
                              "rank, else cpu)")

@@ -42,10 +42,13 @@ class Trial:
                 "screened_s": self.screened_s}
 
 
-def _figures(trial: Trial) -> str:
+def _figures(trial: Trial, peak: bool = False) -> str:
     parts = trial.parts
-    return (f"bubble {parts.get('bubble', 0.0):.0%}, exposed communication "
+    text = (f"bubble {parts.get('bubble', 0.0):.0%}, exposed communication "
             f"{parts.get('exposed_communication_s', 0.0) * 1e3:.3g} ms")
+    if peak and trial.peak_bytes:
+        text = f"peak {human_bytes(trial.peak_bytes)}, " + text
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,21 +73,22 @@ class TuneResult:
         others = sorted((t for t in alive if t.estimated_s is not None),
                         key=lambda t: t.estimated_s)
         fits = sum(1 for t in self.trials if t.peak_bytes and not t.rejected.startswith("needs"))
-        text = (f"{self.best.label()}: estimated step {best.estimated_s * 1e3:.3g} ms, peak "
+        text = (f"{self.best.label()}: estimated step {best.estimated_s * 1e3:.4g} ms, peak "
                 f"{human_bytes(best.peak_bytes or 0)} ({fits} of {len(self.trials)} candidates "
                 f"fit in memory), {_figures(best)}")
         if others:
             runner = others[0]
             text += (f"; next best {runner.candidate.label()} at "
-                     f"{runner.estimated_s * 1e3:.3g} ms ({_figures(runner)})")
+                     f"{runner.estimated_s * 1e3:.4g} ms ({_figures(runner, peak=True)})")
         else:
             screened = sorted((t for t in alive if t.screened_s is not None),
                               key=lambda t: t.screened_s)
             if screened:
                 runner = screened[0]
                 text += (f"; next best by the screen {runner.candidate.label()} at "
-                         f"{runner.screened_s * 1e3:.3g} ms against the winner's screened "
-                         f"{(best.screened_s or 0.0) * 1e3:.3g} ms ({_figures(runner)})")
+                         f"{runner.screened_s * 1e3:.4g} ms against the winner's screened "
+                         f"{(best.screened_s or 0.0) * 1e3:.4g} ms "
+                         f"({_figures(runner, peak=True)}, screened)")
         return text
 
     def table(self) -> str:
