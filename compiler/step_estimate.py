@@ -224,8 +224,10 @@ def estimate_step(plans: list[Any], world: int, profile: Any, dtype: str,
     p2p = 0.0
     in_graphs = 0.0  # communication the graphs' own compute does not hide
     if base.pipeline is None:
-        kinds = {g.kind: graph_s[g.name] for g in base.graphs
-                 if g.kind in ("forward", "backward", "inference") and g.name in graph_s}
+        kinds: dict[str, float] = {}  # summed per kind: a graph break makes several graphs
+        for g in base.graphs:
+            if g.kind in ("forward", "backward", "inference") and g.name in graph_s:
+                kinds[g.kind] = kinds.get(g.kind, 0.0) + graph_s[g.name]
         in_graphs = sum(total - compute for name, (compute, total) in timelines.items()
                         if any(g.name == name and g.kind in kinds for g in base.graphs))
         bubble = 0.0

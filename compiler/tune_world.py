@@ -111,7 +111,9 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
         if not trial.rejected and capacity and peak and peak > capacity:
             trial.rejected = f"needs {human_bytes(peak)} > {human_bytes(capacity)}"
         planned.append(trial)
-        progress("planning", len(planned), min(plan_best, len(alive)))
+        progress("planning", len(planned), max(len(planned), min(plan_best, len(alive))))
+    if planned and len(planned) < min(plan_best, len(alive)):
+        progress("planning", len(planned), len(planned))  # stopped by the budget: close the bar
     fitting = [t for t in planned if not t.rejected and t.estimated_s is not None]
     if not fitting:
         peaks = [t.peak_bytes for t in planned if t.peak_bytes]

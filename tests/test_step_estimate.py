@@ -64,3 +64,30 @@ def test_adamw_on_a_cpu_pays_the_launch_floor_per_parameter_tensor() -> None:
     assert _optimizer_s(plan, 0, 4 * 10 ** 6, gpu) == pytest.approx(streaming)
     assert _optimizer_s(plan, 0, 4 * 10 ** 6, cpu) == pytest.approx(
         streaming + 50 * ADAMW_OPS_PER_TENSOR * 5e-6)
+
+
+def test_every_graph_of_a_model_with_a_graph_break_counts() -> None:
+    """A graph break splits the step into several forward and backward graphs: the step's
+    compute is all of them, not the last of each kind."""
+    import torch
+
+    from zeroc.world_plan import plan_world
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            hidden = torch.relu(self.first(x))
+            torch._dynamo.graph_break()
+            return self.second(hidden).square().mean()
+
+    plan = plan_world(Broken(), (torch.randn(32, 64),), world=2, zero=0, device="cuda",
+                      hardware="h100-sxm")
+    kinds = {g.name: g.kind for g in plan.graphs}
+    timed = [(kinds.get(name), seconds) for name, seconds in plan.estimate.graphs]
+    assert sum(1 for kind, _ in timed if kind == "forward") == 2
+    compute = sum(s for kind, s in timed if kind in ("forward", "backward"))
+    assert plan.estimate.compute_s == pytest.approx(compute)
+    assert plan.estimate.step_s >= compute + plan.estimate.exposed_communication_s
