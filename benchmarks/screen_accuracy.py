@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = llama(shape, args.seq)
     hardware = get_profile(args.hardware)
     started = time.perf_counter()
-    profile = profile_model(model, inputs)
+    profile = profile_model(model, inputs, "cuda")  # the device the plans are for
     print(f"profiled in {time.perf_counter() - started:.1f} s", flush=True)
     space = candidates(args.world, args.batch, {"pp": [2, 4], "zero": [3, 0],
                                                 "microbatches": [4, 8]})

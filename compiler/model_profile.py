@@ -15,6 +15,7 @@ planning does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from typing import Any
@@ -108,9 +109,9 @@ def _loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-def _fake_state(module: torch.nn.Module) -> None:
-    """Replace ``module``'s meta parameters and buffers by fake CPU tensors (ties kept);
-    called inside the fake mode."""
+def _fake_state(module: torch.nn.Module, device: torch.device) -> None:
+    """Replace ``module``'s meta parameters and buffers by fake tensors on ``device`` (ties
+    kept); called inside the fake mode."""
     made: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
@@ -118,27 +119,35 @@ def _fake_state(module: torch.nn.Module) -> None:
                 if value is None:
                     continue
                 if id(value) not in made:
-                    empty = torch.empty(value.shape, dtype=value.dtype)
+                    empty = torch.empty(value.shape, dtype=value.dtype, device=device)
                     made[id(value)] = (torch.nn.Parameter(empty, value.requires_grad)
                                        if isinstance(value, torch.nn.Parameter) else empty)
                 table[name] = made[id(value)]
 
 
-def profile_model(model: torch.nn.Module, example_inputs: Any) -> ModelProfile:
+def profile_model(model: torch.nn.Module, example_inputs: Any,
+                  device: str = "cpu") -> ModelProfile:
     """Profile one training step of ``model`` on ``example_inputs`` (one replica's batch, a
-    tuple or a dict) with fake tensors; ``model`` is not touched (a meta copy is used)."""
-    from zeroc.fake_world import meta_copy
+    tuple or a dict) with fake tensors on ``device`` (``"cuda"`` works without a GPU, as
+    planning does: kernels such as attention save what they save on that device); ``model``
+    is not touched (a meta copy is used)."""
+    from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning
+    from zeroc.fake_world import _backward_for, meta_copy
 
     replica = meta_copy(model)
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        _fake_state(replica)
+    target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        ensure_fake_cuda()
+    planning = fake_cuda_planning() if device == "cuda" else contextlib.nullcontext()
+    with planning, FakeTensorMode(allow_non_fake_inputs=False):
+        _fake_state(replica, target)
         params = {}
         for param in replica.parameters():
             params.setdefault(_storage_key(param), param.untyped_storage().nbytes())
         total, tensors = sum(params.values()), len(params)
 
         def fake(value: Any) -> Any:
-            return torch.empty(value.shape, dtype=value.dtype) if isinstance(
+            return torch.empty(value.shape, dtype=value.dtype, device=target) if isinstance(
                 value, torch.Tensor) else value
 
         if isinstance(example_inputs, dict):
@@ -164,7 +173,7 @@ def profile_model(model: torch.nn.Module, example_inputs: Any) -> ModelProfile:
             forward.append(OpRecord(saved=saved, **op))
         recorder.backward = True
         with recorder:
-            loss.backward()
+            _backward_for(device)(loss)
     return ModelProfile(rows=rows, forward=tuple(forward),
                         backward=tuple(recorder.backward_ops), param_bytes=total,
                         param_tensors=tensors)

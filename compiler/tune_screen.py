@@ -156,23 +156,29 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
     stage_count = 2 * pp if pp > 1 and schedule_name in V_SHAPED else pp
     scale = 1.0 / microbatches
 
-    def times_of(ops: tuple[OpRecord, ...]) -> list[float]:
-        found, previous = [], False
-        for op in ops:
-            if op.pointwise:  # one fused kernel per run of elementwise ops: one launch
-                seconds = op.out_bytes * scale / hardware.memory_bytes_per_s
-                found.append(seconds if previous else max(seconds, hardware.launch_floor_s))
-            else:
+    recompute = options.get("partitioner", "min_cut") == "min_cut"
+
+    def times_of(ops: tuple[OpRecord, ...], forward: bool) -> list[float]:
+        found = []
+        for index, op in enumerate(ops):
+            if not op.pointwise:
                 found.append(estimate_compute_s(op.flops * scale, op.bytes * scale, dtype,
                                                 hardware))
-            previous = op.pointwise
+                continue
+            # One fused kernel per run of elementwise ops: one launch; it writes the run's
+            # result, and in the forward what the backward keeps (nothing elementwise when
+            # the partitioner recomputes it).
+            first = index == 0 or not ops[index - 1].pointwise
+            last = index + 1 == len(ops) or not ops[index + 1].pointwise
+            written = last or (forward and op.saved and not recompute)
+            seconds = op.out_bytes * scale / hardware.memory_bytes_per_s if written else 0.0
+            found.append(max(seconds, hardware.launch_floor_s) if first else seconds)
         return found
 
-    times = times_of(profile.forward)
+    times = times_of(profile.forward, True)
     forward_total = sum(times) or 1e-12
-    ratio = sum(times_of(profile.backward)) / forward_total
+    ratio = sum(times_of(profile.backward, False)) / forward_total
     stages = _stages(profile, times, stage_count)
-    recompute = options.get("partitioner", "min_cut") == "min_cut"
     fused = bool(options.get("fused_loss", True))
     costs, saved = [], []
     for stage in stages:

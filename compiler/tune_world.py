@@ -4,7 +4,7 @@ Planning one layout of a large model for a large world takes tens of seconds (a 
 Llama at world 64, pp 8: about a minute on a 2-core CPU), and the search holds over a hundred
 layouts. So:
 
-1. **Profile** the plain model's training step once on fake tensors
+1. **Profile** the plain model's training step once on fake tensors of the planned device
    (``zeroc.model_profile``, seconds).
 2. **Screen** every candidate on it (``zeroc.tune_screen``): a step time, the bubble, the
    exposed communication and the largest rank's peak memory. A candidate whose screened
@@ -42,9 +42,9 @@ PLAN_BUDGET_S = 90.0  # default seconds for ranking a world that is not here
 
 
 def _screen_all(model: nn.Module, example_inputs: Any, space: list[Candidate], world: int,
-                hardware: Any) -> list[Trial]:
+                device: str, hardware: Any) -> list[Trial]:
     try:
-        profile = profile_model(model, example_inputs)
+        profile = profile_model(model, example_inputs, device)
     except Exception as error:
         raise OptionError(f"zeroc.tune: cannot profile the model's training step on fake "
                           f"tensors: {type(error).__name__}: {error}") from error
@@ -74,7 +74,7 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
     """Rank ``space`` for a ``world``-rank job on ``hardware`` without the cluster (see the
     module docstring)."""
     start = time.perf_counter()
-    trials = _screen_all(model, example_inputs, space, world, hardware)
+    trials = _screen_all(model, example_inputs, space, world, device, hardware)
     progress("screening", len(space), len(space))
     alive = sorted((t for t in trials if not t.rejected), key=lambda t: t.screened_s)
     if not alive:

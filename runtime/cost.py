@@ -84,11 +84,9 @@ def is_alias(target: Any) -> bool:
 
 
 def is_pointwise(target: Any) -> bool:
-    """Whether ``target`` (an aten op) is elementwise work: neither a view, nor a reduction,
-    nor an op with a FLOP formula (matmuls, convolutions, attention)."""
-    packet = _packet(target)
-    return (packet is not None and packet not in _ALIAS_PACKETS
-            and packet not in _REDUCTION_PACKETS and packet not in flop_registry)
+    """Whether ``target`` is an elementwise aten op (torch's ``pointwise`` tag): what a
+    compiled graph fuses, and what a recomputing partitioner recomputes."""
+    return torch.Tag.pointwise in getattr(target, "tags", ())
 
 
 def call_cost(target: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:

@@ -120,7 +120,7 @@ def test_screen_ranks_layouts_as_their_plans_do() -> None:
     tokens = torch.zeros(8, 128, dtype=torch.long)
     inputs = {"input_ids": tokens, "labels": tokens}
     hardware = get_profile("h100-sxm")
-    profile = profile_model(model, inputs)
+    profile = profile_model(model, inputs, "cuda")  # the device the plans are for
     layouts = [(2, "1f1b", 2), (2, "1f1b", 8), (2, "dualpipev", 4), (4, "1f1b", 4),
                (4, "1f1b", 8), (2, "dualpipev", 8)]
     screened, planned = [], []
