@@ -145,6 +145,56 @@ def _zero_collectives_s(params: int, zero: int, dp: int, piped: bool, hardware: 
     return gather, reduce
 
 
+def _times(ops: tuple[OpRecord, ...], scale: float, forward: bool, recompute: bool,
+           dtype: str, hardware: Any) -> list[float]:
+    """Each op's seconds at ``scale`` of the profiled batch (see the module's compute)."""
+    found = []
+    for index, op in enumerate(ops):
+        if not op.pointwise:
+            found.append(estimate_compute_s(op.flops * scale, op.bytes * scale, dtype,
+                                            hardware))
+            continue
+        # One fused kernel per run of elementwise ops: one launch; it writes the run's
+        # result, and in the forward what the backward keeps (nothing elementwise when the
+        # partitioner recomputes it).
+        first = index == 0 or not ops[index - 1].pointwise
+        last = index + 1 == len(ops) or not ops[index + 1].pointwise
+        written = last or (forward and op.saved and not recompute)
+        seconds = op.out_bytes * scale / hardware.memory_bytes_per_s if written else 0.0
+        found.append(max(seconds, hardware.launch_floor_s) if first else seconds)
+    return found
+
+
+# Candidates differ mostly in ZeRO stage and options that leave the compute alone: the op
+# times and stage cuts of one profile are kept per (scale, recompute, stages, dtype, profile).
+_COSTED: dict[tuple[Any, ...], tuple[list[float], float, list[_Stage]]] = {}
+_BACKWARD: dict[tuple[Any, ...], float] = {}
+_COSTED_FOR: list[Any] = [None]
+
+
+def _costed(profile: ModelProfile, scale: float, recompute: bool, stage_count: int,
+            dtype: str, hardware: Any) -> tuple[list[float], float, list[_Stage]]:
+    """(forward op seconds, backward/forward ratio, stages) of ``profile`` at ``scale``."""
+    if _COSTED_FOR[0] is not profile:
+        _COSTED.clear()
+        _BACKWARD.clear()
+        _COSTED_FOR[0] = profile
+    key = (scale, recompute, stage_count, dtype, id(hardware))
+    if key not in _COSTED:
+        times = _times(profile.forward, scale, True, recompute, dtype, hardware)
+        backward = _costed_backward(profile, scale, dtype, hardware)
+        ratio = backward / (sum(times) or 1e-12)
+        _COSTED[key] = (times, ratio, _stages(profile, times, stage_count))
+    return _COSTED[key]
+
+
+def _costed_backward(profile: ModelProfile, scale: float, dtype: str, hardware: Any) -> float:
+    key = (scale, dtype, id(hardware))
+    if key not in _BACKWARD:
+        _BACKWARD[key] = sum(_times(profile.backward, scale, False, False, dtype, hardware))
+    return _BACKWARD[key]
+
+
 def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: Any,
            dtype: str = "float32") -> Screened:
     """The screened step and peak of ``candidate`` on ``hardware`` (see the module)."""
@@ -157,28 +207,7 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
     scale = 1.0 / microbatches
 
     recompute = options.get("partitioner", "min_cut") == "min_cut"
-
-    def times_of(ops: tuple[OpRecord, ...], forward: bool) -> list[float]:
-        found = []
-        for index, op in enumerate(ops):
-            if not op.pointwise:
-                found.append(estimate_compute_s(op.flops * scale, op.bytes * scale, dtype,
-                                                hardware))
-                continue
-            # One fused kernel per run of elementwise ops: one launch; it writes the run's
-            # result, and in the forward what the backward keeps (nothing elementwise when
-            # the partitioner recomputes it).
-            first = index == 0 or not ops[index - 1].pointwise
-            last = index + 1 == len(ops) or not ops[index + 1].pointwise
-            written = last or (forward and op.saved and not recompute)
-            seconds = op.out_bytes * scale / hardware.memory_bytes_per_s if written else 0.0
-            found.append(max(seconds, hardware.launch_floor_s) if first else seconds)
-        return found
-
-    times = times_of(profile.forward, True)
-    forward_total = sum(times) or 1e-12
-    ratio = sum(times_of(profile.backward, False)) / forward_total
-    stages = _stages(profile, times, stage_count)
+    times, ratio, stages = _costed(profile, scale, recompute, stage_count, dtype, hardware)
     fused = bool(options.get("fused_loss", True))
     costs, saved = [], []
     for stage in stages:
