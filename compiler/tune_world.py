@@ -12,8 +12,9 @@ layouts. So:
 3. **Plan** the rest in the screen's order with ``zeroc.explain(world=W, ...)`` on the
    profile (the real program on fake tensors and a fake process group: measured memory,
    the step estimated from every graph and the schedule), while the budget allows: a plan
-   starts only if the last one's time still fits, and planning goes on past the budget
-   until one planned candidate fits in memory. At most ``plan_best`` are planned.
+   starts only if the last one's time still fits. At most ``plan_best`` are planned, and
+   planning goes on past the budget until one planned candidate fits in memory or
+   ``plan_best`` have been planned.
 4. The winner is the planned candidate with the best planned step that fits.
 """
 
@@ -95,7 +96,9 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
     for trial in alive:
         elapsed = time.perf_counter() - start
         fitting = [t for t in planned if not t.rejected and t.estimated_s is not None]
-        if fitting and (len(planned) >= plan_best or elapsed + last_s > budget_s):
+        over = elapsed + last_s > budget_s
+        if (fitting and (len(planned) >= plan_best or over)) or (
+                over and len(planned) >= plan_best):  # none fits: at most plan_best past it
             break
         began = time.perf_counter()
         step, peak, reason, parts = estimate_all(

@@ -180,3 +180,27 @@ def test_tune_world_names_a_model_it_cannot_profile(tmp_path) -> None:
     with pytest.raises(OptionError, match="cannot profile the model's training step"):
         zeroc.tune(NoLoss(), (torch.randn(8, 4),), world=16, hardware="h100-sxm",
                    device="cuda", cache_dir=str(tmp_path))
+
+
+def test_planning_stops_when_no_planned_candidate_fits(tmp_path) -> None:
+    """A device the screen thinks large enough but the plans do not: planning stops after
+    ``measure_best`` once the budget is spent, and the error names the smallest planned
+    peak."""
+    model = GPT(GPTConfig.tiny(), seed=0)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    search = {"pp": [1], "zero": [3], "fused_loss": [True], "partitioner": ["min_cut",
+                                                                            "default"],
+              "prefetch": [1]}
+    profile = profile_model(model, (tokens, tokens), "cuda")
+    screened = max(screen(profile, c, 4, get_profile("h100-sxm")).peak_bytes
+                   for c in candidates(4, 4, search))
+    planned = max(m.peak for m in plan_world(model, (tokens, tokens), world=4, zero=3,
+                                             device="cuda").memory)
+    assert screened < planned  # the tiny model's plan holds more than the screen counts
+    small = {**get_profile("h100-sxm").to_dict(), "name": "small",
+             "memory_bytes": (screened + planned) // 2}
+    with pytest.raises(OptionError, match=r"none of the screened candidates could be planned "
+                                          r"to fit on cuda for world=4: the smallest planned "
+                                          r"peak is"):
+        zeroc.tune(model, (tokens, tokens), world=4, search=search, hardware=small,
+                   device="cuda", budget_s=0.001, measure_best=1, cache_dir=str(tmp_path))
