@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plan_speed import llama  # noqa: E402
-from tune_accuracy import spearman  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -40,6 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from zeroc.model_profile import profile_model
     from zeroc.runtime.hardware import get_profile
+    from zeroc.tune_result import spearman
     from zeroc.tune_screen import screen
     from zeroc.tune_space import candidates
     from zeroc.world_plan import plan_world

@@ -39,7 +39,7 @@ from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.plan_capture import SharedTrace
 from zeroc.runtime.planning_state import PLANNING
 
-__all__ = ["PositionPlan", "fake_world", "meta_copy", "plan_position"]
+__all__ = ["PositionPlan", "fake_world", "loss_of", "meta_copy", "plan_position"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ def _fake_inputs(example_inputs: Any, device: torch.device) -> tuple[tuple, dict
     return tuple(fake(v) for v in example_inputs), {}
 
 
-def _loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: Any, caller: str = "zeroc.explain(world=...)") -> torch.Tensor:
+    """The scalar loss in a model's ``output`` (a tensor, or ``.loss`` / ``["loss"]``);
+    ``caller`` names who needs it in the error."""
     if isinstance(output, torch.Tensor):
         return output
     loss = getattr(output, "loss", None)
@@ -114,9 +116,9 @@ def _loss_of(output: Any) -> torch.Tensor:
         loss = output.get("loss")
     if not isinstance(loss, torch.Tensor):
         raise ValueError(
-            f"zeroc.explain(world=...): the model returned {type(output).__name__}; a step "
-            "needs a scalar loss (return it, or a Hugging Face output with .loss: pass "
-            "labels= in example_inputs)")
+            f"{caller}: the model returned {type(output).__name__}; a training step needs a "
+            "scalar loss (return it, or a Hugging Face output with .loss: pass labels= in "
+            "example_inputs)")
     return loss
 
 
@@ -169,7 +171,7 @@ def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimi
     before = held_bytes(model, optimizer)
     tracker = StepMemory()
     with tracker.active():
-        loss = _loss_of(compiled(*args, **kwargs))
+        loss = loss_of(compiled(*args, **kwargs))
         backward(loss)
         del loss
         with tracker:
@@ -232,7 +234,7 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
                 compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
             # A first step outside the tracker: what it keeps for later steps (buffers made
             # once) is not part of a later step's peak, which the tracker measures.
-            _loss_of(compiled(*args, **kwargs))
+            loss_of(compiled(*args, **kwargs))
             memory = measured_step(compiled, parallel, optimizer, args, kwargs,
                                    _backward_for(device))
         except Exception as error:

@@ -96,19 +96,6 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            f"zeroc.tune: the model returned {type(output).__name__}; a training step needs a "
-            "scalar loss (return it, or a Hugging Face output with .loss: pass labels=)")
-    return loss
-
-
 def _fake_state(module: torch.nn.Module, device: torch.device) -> None:
     """Replace ``module``'s meta parameters and buffers by fake tensors on ``device`` (ties
     kept); called inside the fake mode."""
@@ -132,7 +119,7 @@ def profile_model(model: torch.nn.Module, example_inputs: Any,
     planning does: kernels such as attention save what they save on that device); ``model``
     is not touched (a meta copy is used)."""
     from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning
-    from zeroc.fake_world import _backward_for, meta_copy
+    from zeroc.fake_world import _backward_for, _fake_inputs, loss_of, meta_copy
 
     replica = meta_copy(model)
     target = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -146,21 +133,12 @@ def profile_model(model: torch.nn.Module, example_inputs: Any,
             params.setdefault(_storage_key(param), param.untyped_storage().nbytes())
         total, tensors = sum(params.values()), len(params)
 
-        def fake(value: Any) -> Any:
-            return torch.empty(value.shape, dtype=value.dtype, device=target) if isinstance(
-                value, torch.Tensor) else value
-
-        if isinstance(example_inputs, dict):
-            args, kwargs = (), {k: fake(v) for k, v in example_inputs.items()}
-        else:
-            items = example_inputs if isinstance(example_inputs, (tuple, list)) else (
-                example_inputs,)
-            args, kwargs = tuple(fake(v) for v in items), {}
+        args, kwargs = _fake_inputs(example_inputs, target)
         rows = next((int(v.shape[0]) for v in (*args, *kwargs.values())
                      if isinstance(v, torch.Tensor) and v.dim() > 0), 1)
         recorder = _Recorder(params)
         with recorder:
-            loss = _loss_of(replica(*args, **kwargs))
+            loss = loss_of(replica(*args, **kwargs), "zeroc.tune")
         gc.collect()  # what the forward made and autograd does not hold is gone now
         seen: set[int] = set()
         forward = []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any
 
 from tabulate import tabulate
@@ -12,7 +13,7 @@ from torch import nn
 from zeroc.runtime.plan_text import human_bytes
 from zeroc.tune_space import Candidate
 
-__all__ = ["TuneResult", "Trial"]
+__all__ = ["TuneResult", "Trial", "spearman"]
 
 
 @dataclasses.dataclass
@@ -113,3 +114,27 @@ class TuneResult:
 
         parallelize(model, zero=self.best.zero, pp=self.best.pp)
         return self.best.options_dict()
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation of two lists (average ranks for ties): how alike an
+    estimate orders candidates to what it estimates."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else 0.0

@@ -40,6 +40,18 @@ class CollectiveCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def train_two_steps(compiled, optimizer, dp_index: int) -> list[float]:
+    """Two AdamW steps on this data-parallel replica's rows; its losses."""
+    losses = []
+    for index in range(2):
+        loss = compiled(*rows(batches()[index], dp_index, 2))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def counting_job(rank: int, world: int, zero: int, reshard: bool) -> dict:
     torch._dynamo.reset()
     model = zeroc.parallelize(make_gpt(), zero=zero, pp=2)
@@ -58,14 +70,8 @@ def counting_job(rank: int, world: int, zero: int, reshard: bool) -> dict:
             return run(self, *args, **kwargs)
 
     PipelineExecutor.run = counted_run
-    losses = []
     try:
-        for index in range(2):
-            loss = compiled(*rows(batches()[index], dp_index, 2))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_two_steps(compiled, optimizer, dp_index)
     finally:
         PipelineExecutor.run = run
     counts = counters[-1].counts
@@ -123,13 +129,7 @@ def training_job(rank: int, world: int, zero: int) -> dict:
         "schedule": "1f1b", "microbatches": MICROBATCHES})
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
     dp_index = model._zeroc_layout.mesh.dp_index
-    losses = []
-    for index in range(2):
-        loss = compiled(*rows(batches()[index], dp_index, 2))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_two_steps(compiled, optimizer, dp_index)
     held = sum(s.flat.untyped_storage().nbytes() for s in model._zeroc_state.params)
     return {"losses": losses, "held": held, "full": zeroc.full_state_dict(model)}
 

@@ -18,6 +18,7 @@ import zeroc
 from zeroc.model_profile import profile_model
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
+from zeroc.tune_result import spearman
 from zeroc.tune_screen import screen, state_bytes
 from zeroc.tune_space import Candidate, candidates
 from zeroc.world_plan import plan_world
@@ -38,26 +39,15 @@ def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab:
         return transformers.LlamaForCausalLM(config)
 
 
-def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2.0
-        i = j + 1
-    return out
+class NoLoss(torch.nn.Module):
+    """Returns a tuple, no loss."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
 
-def _spearman(xs: list[float], ys: list[float]) -> float:
-    rx, ry = _ranks(xs), _ranks(ys)
-    mean = (len(xs) - 1) / 2.0
-    cov = sum((a - mean) * (b - mean) for a, b in zip(rx, ry, strict=True))
-    var = (sum((a - mean) ** 2 for a in rx) * sum((b - mean) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 0.0
+    def forward(self, x):
+        return self.fc(x), x
 
 
 def test_profile_counts_the_step_and_leaves_the_model_alone() -> None:
@@ -85,14 +75,6 @@ def test_profile_counts_the_step_and_leaves_the_model_alone() -> None:
 
 
 def test_profile_refuses_a_model_without_a_loss() -> None:
-    class NoLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.fc(x), x
-
     with pytest.raises(ValueError, match="returned tuple; a training step needs a scalar"):
         profile_model(NoLoss(), (torch.randn(2, 4),))
 
@@ -132,8 +114,8 @@ def test_screen_ranks_layouts_as_their_plans_do() -> None:
         plan = plan_world(model, inputs, world=8, pp=pp, zero=3, device="cuda",
                           hardware=hardware, options=candidate.options_dict())
         planned.append((plan.estimate.step_s, max(m.peak for m in plan.memory)))
-    steps = _spearman([s.step_s for s in screened], [p[0] for p in planned])
-    peaks = _spearman([s.peak_bytes for s in screened], [p[1] for p in planned])
+    steps = spearman([s.step_s for s in screened], [p[0] for p in planned])
+    peaks = spearman([s.peak_bytes for s in screened], [p[1] for p in planned])
     assert steps >= 0.7, (steps, screened, planned)
     assert peaks >= 0.7, (peaks, screened, planned)
     for found, (_, peak) in zip(screened, planned, strict=True):
@@ -169,14 +151,6 @@ def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> No
 
 
 def test_tune_world_names_a_model_it_cannot_profile(tmp_path) -> None:
-    class NoLoss(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return self.fc(x), x
-
     with pytest.raises(OptionError, match="cannot profile the model's training step"):
         zeroc.tune(NoLoss(), (torch.randn(8, 4),), world=16, hardware="h100-sxm",
                    device="cuda", cache_dir=str(tmp_path))
