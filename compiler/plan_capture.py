@@ -14,7 +14,8 @@ faithfully, else each position traces the model itself:
 
 - Dynamo made one graph of the whole forward (traced with ``fullgraph=True``; a graph
   break leaves each position to trace itself, and to report the break as a user's compile
-  would);
+  would). Its repeated blocks are traced once where Dynamo can reuse them
+  (``zeroc.block_regions``) and inlined back into the flat graph a plain trace gives;
 - its batch dimension is symbolic (``zeroc.parallelize(pp > 1)`` asks for that), so the
   pipeline compiler specializes copies of it and never changes the graph itself;
 - every graph input is found on the first position's model: a parameter, a buffer, a tensor
@@ -36,6 +37,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from zeroc.block_regions import blocks_traced_once, inline_block_regions, repeated_blocks
 from zeroc.config import Config
 from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
 from zeroc.pipeline_front import (
@@ -149,6 +151,9 @@ class SharedTrace:
                  ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
         def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             self.graphs += 1
+            inlined = inline_block_regions(gm, model)  # the graph a trace without regions gives
+            if inlined:
+                log.debug("zeroc: shared trace: %d block calls traced as regions", inlined)
             self.gm, self.example_inputs = gm, list(example_inputs)
             where = _places(model, args, kwargs)
             places: list[tuple] | None = []
@@ -173,24 +178,37 @@ class SharedTrace:
 
         return keep
 
-    def trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Trace ``model`` (parallelized, on this position's fake tensors) with Dynamo."""
+    def _trace_once(self, model: nn.Module, args: tuple, kwargs: dict, regions: bool) -> bool:
+        """One Dynamo trace, with the repeated blocks as nested compile regions or not;
+        False when it failed."""
+        self.graphs = 0
         # fullgraph: a graph break raises here (and the positions trace as a user's compile
         # would, which says where the break is) instead of leaving a tail this graph lacks.
         traced = torch.compile(model, backend=self._backend(model, args, kwargs),
                                fullgraph=True)
+        marking = blocks_traced_once(model) if regions else contextlib.nullcontext(0)
         try:
-            with _without_forward_depth_hooks(model):
+            with _without_forward_depth_hooks(model), marking:
                 traced(*args, **kwargs)
         except _Traced:
             pass  # the backend kept the graph and stopped the call, as intended
         except Exception as error:  # noqa: BLE001 (any failure: trace per position instead)
-            log.debug("zeroc: shared trace failed (%s); each position traces itself",
-                      str(error).splitlines()[0] if str(error) else type(error).__name__)
+            log.debug("zeroc: shared trace%s failed (%s)", " with block regions" if regions
+                      else "", str(error).splitlines()[0] if str(error) else type(error).__name__)
             self.graphs = 0
+            return False
         else:
             self.graphs = 2  # the forward ran to its end without reaching the graph
-        torch._dynamo.reset()  # a position's own compile must not find this trace's frame
+        finally:
+            torch._dynamo.reset()  # a position's own compile must not find this trace's frame
+        return True
+
+    def trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Trace ``model`` (parallelized, on this position's fake tensors) with Dynamo: its
+        repeated blocks once (``zeroc.block_regions``) where Dynamo can, else block by
+        block; when neither gives one graph, each position traces the model itself."""
+        if not (repeated_blocks(model) and self._trace_once(model, args, kwargs, True)):
+            self._trace_once(model, args, kwargs, False)
         self.reusable = (self.graphs == 1 and self.places is not None
                          and any(p[0] == "size" for p in self.places))
         log.debug("zeroc: shared trace: %d graph(s), %s", self.graphs,
