@@ -333,10 +333,14 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
         placement, op_stage = "shard", (0 if zero == 1 else zero)
     dp, index = mesh.dp, mesh.dp_index
     if op_stage in (2, 3):
-        flat = shard_of(full, dp, index)
         padded, offset = padded_numel_for(shape, dp), 0
+        # Planning: fake tensors hold no values, so the shard is only its size (a world of
+        # 64 ranks makes hundreds of them per pipeline position).
+        flat = (torch.empty(padded // dp, dtype=full.dtype, device=full.device)
+                if PLANNING.simulated else shard_of(full, dp, index))
     else:
-        flat = full.detach().reshape(-1).clone()
+        flat = (torch.empty(numel, dtype=full.dtype, device=full.device)
+                if PLANNING.simulated else full.detach().reshape(-1).clone())
         padded = numel
         offset = index * rows_per_shard(shape, dp) * row_numel(shape) if placement == "shard" else 0
     local_rows = local_rows_for(shape, dp, index) if placement == "shard" else (
