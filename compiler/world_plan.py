@@ -1,7 +1,8 @@
 """``zeroc.explain(model, example_inputs, world=W, ...)``: the plan of a job that is not there.
 
 Each pipeline position is planned once on fake tensors (``zeroc.fake_world.plan_position``,
-on its first data-parallel rank); the positions' plans are merged into one: the graphs,
+on its first data-parallel rank; after the first, half of them in a helper process on a second
+core, ``zeroc.plan_workers``); the positions' plans are merged into one: the graphs,
 collectives, kernels and passes of position 0 (every position runs the same passes), every
 position's stages (the pipeline section already holds all stages), and one memory row per
 rank, measured on that rank's position. ``meta.world_size`` and ``meta.mesh`` describe the
@@ -19,6 +20,7 @@ from torch import nn
 
 from zeroc.fake_world import DEVICES, plan_position
 from zeroc.plan_capture import SharedTrace
+from zeroc.plan_workers import plan_positions
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import MemoryEstimate
@@ -56,16 +58,18 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
     this machine without the cluster. ``options``: zeroc's compile options."""
     _check(world, pp, zero, device, hardware)
     dp = world // pp
-    positions = []
     trace = SharedTrace()  # Dynamo traces the model once, for every position
     PLANNING.shared = {}  # and the positions share what they would all compute alike
-    try:
-        for position in range(pp):
-            log.info("planning pipeline position %d of %d (rank %d)", position + 1, pp,
-                     position * dp)
-            positions.append(plan_position(
-                model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
-                device=device, options=options, mixed_precision=mixed_precision, trace=trace))
+
+    def plan_one(position: int):
+        log.info("planning pipeline position %d of %d (rank %d)", position + 1, pp,
+                 position * dp)
+        return plan_position(
+            model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
+            device=device, options=options, mixed_precision=mixed_precision, trace=trace)
+
+    try:  # the first position here, the rest split with a helper process on a second core
+        positions = plan_positions(plan_one, list(range(pp)))
     finally:
         PLANNING.shared = None
     base = positions[0].plan
@@ -95,5 +99,6 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
         op_times = op_times_for(profile, device, world, (options or {}).get("cache_dir"))
         plan = dataclasses.replace(plan, estimate=estimate_step(
             merged, world, profile, "bfloat16" if bf16 else "float32", op_times))
-    log.info("planned a %d-rank job in %.1f s", world, sum(p.seconds for p in positions))
+    log.info("planned a %d-rank job (%d positions, %.1f s of planning)", world, pp,
+             sum(p.seconds for p in positions))
     return plan
