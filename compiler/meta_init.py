@@ -299,7 +299,7 @@ def materialize_direct(
         for name, tensor, is_buffer in metas:
             if is_buffer:
                 module._buffers[name] = empty_like(tensor, device)
-        return {n: empty_like(t, device).detach() for n, t, is_buffer in metas
+        return {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t, is_buffer in metas
                 if not is_buffer and id(t) not in done}
     plan = _plan_for(model, init_fn)
     if any(s in ("init_fn", "hook") for s, _, _ in plan.stages.get(id(module), ())):

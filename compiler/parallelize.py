@@ -157,8 +157,10 @@ def _join(path: str, name: str) -> str:
 
 
 def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    tensor = tensor.detach()
+    # The caller reads only its values (``_shard`` copies them out), so only a tensor that is
+    # broadcast into needs to be detached first.
     if mesh.dp > 1 and not PLANNING.simulated:  # planning: no values to agree on
+        tensor = tensor.detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         dist.broadcast(tensor, src=mesh.dp_group_ranks[0], group=mesh.dp_group())
