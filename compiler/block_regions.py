@@ -9,12 +9,16 @@ node each) instead of tracing them again.
 
 ``blocks_traced_once(model)`` marks the forward of every *repeated block* for the duration of
 a trace: the children of an ``nn.ModuleList`` / ``nn.Sequential`` with at least two children
-of one class whose parameters and buffers have the same names, shapes and dtypes. The mark
-is an instance attribute (``block.forward``) that is removed afterwards; the model's classes
-are not touched. ``inline_block_regions(gm)`` then copies each ``invoke_subgraph`` body into
-the graph at its call, so what zeroc's passes see is the flat graph Dynamo traces without the
-regions: the same ops on the same inputs, each node's ``nn_module_stack`` naming its own block
-(``model.layers.5.mlp``, not the block the region was first traced in).
+of one class whose parameters and buffers have the same names, shapes and dtypes. Each block's
+class is swapped for a subclass whose ``forward`` is the region, and swapped back afterwards
+(an instance attribute ``forward`` would not do: Dynamo then reached the weights through the
+block's canonical source and stamped the first block's weights into every block of a model
+that loops ``for block in self.layers``). ``inline_block_regions(gm)`` then copies each
+``invoke_subgraph`` body into the graph at its call, so what zeroc's passes see is the flat
+graph Dynamo traces without the regions: the same ops on the same inputs, each node's
+``nn_module_stack`` naming its own block (``model.layers.5.mlp``, not the block the region was
+first traced in). A call that reads a sibling block's parameter is refused (``ValueError``):
+the caller then traces without regions.
 
 A torch without ``nested_compile_region`` (or with one that refuses these arguments) traces
 the blocks one by one as before.

@@ -15,6 +15,7 @@ import torch
 from models.gpt import GPT, GPTConfig
 
 import zeroc
+import zeroc.plan_workers as plan_workers
 import zeroc.world_plan as world_plan
 from zeroc import pipeline_capture
 
@@ -50,6 +51,8 @@ def _plan(monkeypatch: pytest.MonkeyPatch, share: bool, options: dict) -> tuple[
         return export(*args, **kwargs)
 
     with monkeypatch.context() as patch:
+        # Every position in this process, where the spies see it (no helper process).
+        patch.setattr(plan_workers, "planning_cores", lambda: 1)
         patch.setattr(world_plan, "plan_position", spy)
         patch.setattr(pipeline_capture, "aot_export_joint_simple", count)
         if not share:  # each position on its own, as a separate process would plan it

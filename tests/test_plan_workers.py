@@ -83,7 +83,18 @@ def test_an_error_of_this_processs_positions_surfaces(monkeypatch) -> None:
         if rank == 6:
             raise ValueError("position 4 cannot be planned")
 
+    forked = []
+    fork = os.fork
+
+    def recording_fork() -> int:
+        pid = fork()
+        if pid:
+            forked.append(pid)
+        return pid
+
+    monkeypatch.setattr(plan_workers.os, "fork", recording_fork)
     with pytest.raises(ValueError, match="position 4 cannot be planned"):
         _plan(monkeypatch, 2, fail=fail_last)
+    assert len(forked) == 1
     with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)  # the helper was reaped: no child is left
+        os.waitpid(forked[0], os.WNOHANG)  # the helper was stopped and reaped
