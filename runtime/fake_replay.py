@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zeroc.runtime.step_memory import StepMemory, current_tracker
 
-__all__ = ["call", "replayable"]
+__all__ = ["call", "is_view", "learned", "replayable"]
 
 # Ops that talk to other ranks or count calls: a graph holding one runs every time.
 _UNREPLAYABLE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
@@ -55,8 +55,9 @@ class _Fresh:
     dtype: torch.dtype
     device: torch.device
     view: bool  # made as a view of its storage's base (``_base`` set), else allocated
-    # For a view: whether its ``_base`` can tell (it alone spans its whole storage, so the
-    # executor would take it as a fresh gradient without one); else it is made without.
+    # For a view: whether being one matters (it alone spans its whole storage, so the
+    # executor would take it as a fresh gradient were it not a view): a replay marks it for
+    # ``is_view``, having made it without ``_base`` like every replayed view.
     needs_base: bool = False
 
 
@@ -86,6 +87,7 @@ class _Record:
 
 
 # graph -> {input signature -> _Record, or None when the graph cannot be replayed}
+_LEARNED = [0]  # recordings made (``learned``)
 _RECORDS: weakref.WeakKeyDictionary[Any, dict[Any, _Record | None]] = weakref.WeakKeyDictionary()
 _PURE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -218,11 +220,12 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         base = bases.get(out.group)
         if base is None:
             base = bases[out.group] = allocate((out.nbytes // out.dtype.itemsize,), (1,), out)
-        if out.needs_base:  # through fake tensor mode, which sets ``_base``
-            return base.as_strided(out.size, out.stride, out.offset)
         with _disable_current_modes():  # the same storage, without dispatching an op
-            return FakeTensor(mode, metas[out.group].as_strided(out.size, out.stride,
-                                                                out.offset), out.device)
+            tensor = FakeTensor(mode, metas[out.group].as_strided(out.size, out.stride,
+                                                                  out.offset), out.device)
+        if out.needs_base:  # no ``_base`` (no op made it): ``is_view`` tells instead
+            tensor._zeroc_replayed_view = True
+        return tensor
 
     for index, out in enumerate(record.outputs):
         if isinstance(out, _Fresh) and not out.view:
@@ -239,6 +242,13 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         else:
             outs.append(view(out))
     return tuple(outs) if record.as_tuple else outs
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view: it has a ``_base``, or it is a replayed output that was
+    one when its graph ran (a replay makes it without dispatching an op, so without
+    ``_base``)."""
+    return tensor._base is not None or getattr(tensor, "_zeroc_replayed_view", False)
 
 
 def _view_of_input(mode: Any, source: torch.Tensor, out: _OfInput) -> torch.Tensor:
@@ -296,4 +306,11 @@ def call(graph: Any, *args: Any) -> Any:
         described = _describe(outs, args) if isinstance(outs, (tuple, list)) else None
         records[signature] = None if described is None else _Record(
             described, own.peak, tuple(sorted(own.touched)), isinstance(outs, tuple))
+        _LEARNED[0] += described is not None
     return outs
+
+
+def learned() -> int:
+    """How many graph runs this process has recorded for replay so far: a step during which
+    it grew ran a graph that later steps replay."""
+    return _LEARNED[0]

@@ -396,5 +396,5 @@ def _storage_counts(values: tuple[Any, ...]) -> dict[int, int]:
 def _fresh(grad: torch.Tensor, storages: dict[int, int]) -> bool:
     """Whether ``grad`` owns its storage: no view, exactly its size, shared by no other value."""
     storage = grad.untyped_storage()
-    return (grad._base is None and storage.nbytes() == grad.numel() * grad.element_size()
+    return (not fake_replay.is_view(grad) and storage.nbytes() == grad.numel() * grad.element_size()
             and storages.get(storage._cdata, 0) == 1)

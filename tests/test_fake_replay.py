@@ -2,7 +2,7 @@
 
 A replayed call must leave the step's memory tracker exactly where running the graph would:
 the same bytes live after it, the same peak, outputs with the same aliasing (views of inputs,
-outputs sharing one storage, ``_base`` set where it was). A planned pipeline's memory rows are
+outputs sharing one storage, a view where it was one as ``fake_replay.is_view`` tells). A planned pipeline's memory rows are
 the same with replaying and without. Graphs holding a collective run every time.
 """
 
@@ -43,25 +43,31 @@ def test_a_replay_leaves_the_tracker_where_a_run_does() -> None:
     with FakeTensorMode():
         x, w = torch.empty(4, 16), torch.empty(16, 24)
         run_outs, run_live, run_peak = _run(lambda g, *a: g(*a), graph, x, w)
+        learned = fake_replay.learned()
         fake_replay.call(graph, x, w)  # learns
+        assert fake_replay.learned() == learned + 1
         x2, w2 = torch.empty(4, 16), torch.empty(16, 24)
         outs, live, peak = _run(fake_replay.call, graph, x2, w2)
+        assert fake_replay.learned() == learned + 1  # a replay learns nothing
     assert (live, peak) == (run_live, run_peak)
     q, k, v, wt, xo, total, whole = outs
     assert q.untyped_storage()._cdata == k.untyped_storage()._cdata == v.untyped_storage()._cdata
     assert wt.untyped_storage()._cdata == w2.untyped_storage()._cdata and wt.shape == (24, 16)
     assert xo is x2
-    # ``_base`` where it can matter: an output alone, among the call's inputs and outputs, on
-    # a storage it spans whole (the executor keeps such a gradient uncopied only when it is
-    # no view). A view of an input (``wt``) shares the input's storage: it is copied anyway.
+    # A view where it can matter: an output alone, among the call's inputs and outputs, on a
+    # storage it spans whole (the executor keeps such a gradient uncopied only when it is no
+    # view, as ``is_view`` tells). A view of an input (``wt``) shares the input's storage: it
+    # is copied anyway.
     def alone_and_whole(o, call):
         sharing = [p for p in call if isinstance(p, torch.Tensor)
                    and p.untyped_storage()._cdata == o.untyped_storage()._cdata]
         return len(sharing) == 1 and o.untyped_storage().nbytes() == o.numel() * o.element_size()
 
-    assert [o._base is not None for o in outs if alone_and_whole(o, (x2, w2, *outs))] == [
-        o._base is not None for o in run_outs if alone_and_whole(o, (x, w, *run_outs))]
-    assert whole._base is not None and run_outs[-1]._base is not None
+    is_view = fake_replay.is_view
+    assert [is_view(o) for o in outs if alone_and_whole(o, (x2, w2, *outs))] == [
+        is_view(o) for o in run_outs if alone_and_whole(o, (x, w, *run_outs))]
+    assert is_view(whole) and run_outs[-1]._base is not None
+    assert not is_view(total)
     assert [(o.shape, o.stride(), o.dtype) for o in outs] == [
         (o.shape, o.stride(), o.dtype) for o in run_outs]
 
