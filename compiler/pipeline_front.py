@@ -41,7 +41,8 @@ from zeroc.runtime.records import ParamInfo, PassInfo
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph
 
-__all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "PipelineFront", "default_microbatches",
+__all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "FrontBuilt", "PipelineFront",
+           "default_microbatches",
            "front_is_shared", "op_namespace", "pipeline_front", "remember_sources"]
 
 # In a graph's ``meta``: the Dynamo graph it copies, when a planned world's positions share
@@ -164,6 +165,11 @@ class PipelineFront:
         return dataclasses.replace(self, hoisted=hoisted, dp_group_name=dp_group_name)
 
 
+class FrontBuilt(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the pipeline compiler under ``PLANNING.front_only`` once the front is made
+    and kept: a planned world builds what its positions share before planning any of them."""
+
+
 def op_namespace(target: Any) -> str | None:
     """The op namespace of an FX target (``torch.ops.zeroc.unshard`` or its ``.default``)."""
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -256,7 +262,7 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
         gm, size = full, batch
     else:  # traced at the micro-batch size: nothing to rewrite
-        gm, size = specialize(dynamic_gm, micro_inputs), microbatch
+        gm, size = specialize(dynamic_gm, micro_inputs, costs=True), microbatch
         keep_loss_output(gm, params)
         gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
         normalize_loss(gm, params, config.loss_reduction)

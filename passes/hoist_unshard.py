@@ -23,6 +23,7 @@ import torch.fx
 from torch import nn
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard)
+from zeroc.passes.microbatch_shapes import HOISTED_VALUE, SPECIALIZED_RUN
 from zeroc.runtime.pipeline_zero import HoistedParam
 
 __all__ = ["full_size_inputs", "hoist_unshards"]
@@ -68,6 +69,9 @@ def hoist_unshards(gm: torch.fx.GraphModule, params: set[int],
                              f"{earlier.shape} and as {spec.shape} in one graph")
         if earlier is None or earlier.pending is None:
             hoisted[index] = spec
+        run = node.meta.get(SPECIALIZED_RUN)
+        if run is not None:  # the placeholder now stands for what the gather gave
+            shard.meta.setdefault(HOISTED_VALUE, run.out)
         node.replace_all_uses_with(shard)
         gm.graph.erase_node(node)
     gm.recompile()

@@ -13,6 +13,15 @@ position that holds the batch (found by matching the products of the leading siz
 by the ratio; ``expand`` is right-aligned. Factory calls without tensor inputs (``arange``,
 ``zeros``) are left alone: their sizes cannot depend on the batch through the graph.
 
+A graph ``zeroc.passes.specialize_shapes.specialize(..., costs=True)`` made at the micro-batch
+size (a dynamic graph traced for the pipeline) has nothing to shrink (``batch == microbatch``),
+and its nodes already carry their fake values and costs from that propagation
+(``SPECIALIZED_RUN``): a node whose target and arguments are still what that run saw
+(arguments by identity of their values) keeps them, in that run's fake mode, and only what
+the passes since changed is run again. A hoisted parameter's placeholder
+(``zeroc.passes.hoist_unshard``) takes the value its removed gather had there
+(``HOISTED_VALUE``) when it matches the full parameter.
+
 Each node also gets a cost from the aten ops it dispatches: matmul/attention FLOPs from
 ``torch.utils.flop_counter``'s formulas, one FLOP per output element otherwise, and the bytes
 it reads and writes (an embedding reads the rows it gathers, not the whole table).
@@ -26,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -46,6 +55,21 @@ class NodeEstimate:
     bytes: int
 
 
+SPECIALIZED_RUN = "zeroc_specialized_run"  # node.meta: a SpecializedRun
+HOISTED_VALUE = "zeroc_hoisted_value"  # placeholder.meta: the value its removed gather had
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecializedRun:
+    """What one node's fake propagation in ``specialize(..., costs=True)`` saw and gave."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    out: Any
+    cost: NodeEstimate
+
+
 @dataclasses.dataclass
 class MicrobatchGraph:
     """A Dynamo graph rewritten for one micro-batch.
@@ -62,8 +86,10 @@ class MicrobatchGraph:
     ratio: int
 
 
-class _CostMode(TorchDispatchMode):
-    """Sums FLOPs and bytes of the aten ops dispatched while it is active."""
+class CostMode(TorchDispatchMode):
+    """Sums FLOPs and bytes of the aten ops dispatched while it is active (``prim`` ops are
+    metadata queries: a parameter's ``device`` is asked for depending on how it was made,
+    which must not change a node's cost)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +99,8 @@ class _CostMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.namespace == "prim":  # a metadata query (``prim.device``): no FLOPs, no bytes
+            return out
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         written = sum(t.numel() * t.element_size() for t in outs)
@@ -170,8 +198,10 @@ def microbatch_graph(
     when the batch dimension cannot be followed.
     """
     ratio = batch // microbatch
+    # Reuse a micro-batch propagation's values only where nothing is to be shrunk.
+    specialized = _specialized_mode(gm) if ratio == 1 else None
     gm = torch.fx.GraphModule(gm, _copy_graph(gm))
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = specialized or FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
     dims: dict[str, int | None] = {}
     dependent: set[str] = set()
@@ -187,12 +217,16 @@ def microbatch_graph(
                 fake = fake[:microbatch].detach().requires_grad_(value.requires_grad)
                 dims[node.name] = 0
                 dependent.add(node.name)
+            if specialized is not None:
+                prior = node.meta.get(HOISTED_VALUE, node.meta.get("example_value"))
+                fake = prior if _same_tensor_meta(prior, fake) else fake
             values[node.name] = fake
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
             if node.op == "get_attr":
-                values[node.name] = fake_mode.from_tensor(getattr(gm, node.target))
+                attr = getattr(gm, node.target)  # specialize ran on the attribute itself
+                values[node.name] = attr if specialized else fake_mode.from_tensor(attr)
                 continue
             feeding = [a.name for a in node.all_input_nodes]
             full = node.meta.get("example_value")
@@ -205,11 +239,16 @@ def microbatch_graph(
                     _rewrite_sizes(node, dims[first.name], in_full, out_full, ratio)
             args = torch.fx.node.map_arg(node.args, lambda n: values[n.name])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name])
-            meter = _CostMode()
-            with meter:
-                out = _run(node, gm, args, kwargs)
+            run = node.meta.get(SPECIALIZED_RUN) if specialized is not None else None
+            if (run is not None and run.target is node.target and _same(run.args, args)
+                    and _same(run.kwargs, kwargs)):
+                out, costs[node.name] = run.out, run.cost
+            else:
+                meter = CostMode()
+                with meter:
+                    out = _run(node, gm, args, kwargs)
+                costs[node.name] = NodeEstimate(meter.flops, meter.bytes)
             values[node.name] = out
-            costs[node.name] = NodeEstimate(meter.flops, meter.bytes)
             if any(name in dependent for name in feeding):
                 dependent.add(node.name)
                 dims[node.name] = batch_dim(out, full, ratio, node.name)
@@ -219,6 +258,48 @@ def microbatch_graph(
     gm.recompile()
     return MicrobatchGraph(gm=gm, values=values, batch_dependent=dependent, costs=costs,
                            ratio=ratio)
+
+
+def _specialized_mode(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
+    """The fake mode of ``gm``'s ``specialize(..., costs=True)`` propagation, if it had one."""
+    for node in gm.graph.nodes:
+        run = node.meta.get(SPECIALIZED_RUN)
+        if run is not None:
+            value = next((v for v in tree_flatten(run.out)[0] if isinstance(v, FakeTensor)),
+                         None)
+            if value is not None:
+                return value.fake_mode
+    return None
+
+
+def _same_tensor_meta(prior: Any, fake: torch.Tensor) -> bool:
+    """Whether ``prior`` (a value of the specialized run) stands for ``fake``: a fake tensor
+    of the same mode, shape, strides, offset, dtype, device and ``requires_grad``."""
+    return (isinstance(prior, FakeTensor) and prior.fake_mode is fake.fake_mode
+            and prior.shape == fake.shape and prior.stride() == fake.stride()
+            and prior.storage_offset() == fake.storage_offset() and prior.dtype == fake.dtype
+            and prior.device == fake.device and prior.requires_grad == fake.requires_grad)
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
+def _same(recorded: Any, current: Any) -> bool:
+    """Whether a node's arguments are those its specialized run saw: values by identity,
+    plain constants by equality, sequences and dicts element by element."""
+    if isinstance(recorded, (tuple, list)) and isinstance(current, (tuple, list)):
+        return len(recorded) == len(current) and all(
+            _same(a, b) for a, b in zip(recorded, current, strict=True))
+    if isinstance(recorded, dict) and isinstance(current, dict):
+        return recorded.keys() == current.keys() and all(
+            _same(recorded[k], current[k]) for k in recorded)
+    if isinstance(recorded, _PLAIN) and not isinstance(recorded, torch.SymInt):
+        return type(recorded) is type(current) and recorded == current
+    if isinstance(recorded, slice) and isinstance(current, slice):
+        return _same((recorded.start, recorded.stop, recorded.step),
+                     (current.start, current.stop, current.step))
+    return recorded is current
 
 
 def _copy_graph(gm: torch.fx.GraphModule) -> torch.fx.Graph:

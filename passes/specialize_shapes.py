@@ -23,6 +23,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zeroc.passes.microbatch_shapes import SPECIALIZED_RUN, CostMode, NodeEstimate, SpecializedRun
+
 __all__ = ["microbatch_inputs", "size_inputs", "specialize"]
 
 
@@ -42,8 +44,12 @@ def _run(node: torch.fx.Node, gm: torch.fx.GraphModule, args: tuple, kwargs: dic
     return getattr(gm, node.target)
 
 
-def specialize(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphModule:
-    """A static copy of ``gm`` for the call whose (real) graph inputs are ``inputs``."""
+def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
+               costs: bool = False) -> torch.fx.GraphModule:
+    """A static copy of ``gm`` for the call whose (real) graph inputs are ``inputs``.
+    ``costs``: also cost every node and keep what its run saw and gave
+    (``zeroc.passes.microbatch_shapes.SPECIALIZED_RUN``), which ``microbatch_graph`` reuses
+    for the nodes the passes leave as they are."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -67,8 +73,15 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any]) -> torch.fx.GraphMod
                 continue
             args = torch.fx.node.map_arg(node.args, lambda n: values[n.name])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name])
-            values[node.name] = _run(node, out, args, kwargs)
-            node.meta["example_value"] = values[node.name]
+            if costs and node.op != "get_attr":
+                meter = CostMode()
+                with meter:
+                    value = _run(node, out, args, kwargs)
+                node.meta[SPECIALIZED_RUN] = SpecializedRun(
+                    node.target, args, kwargs, value, NodeEstimate(meter.flops, meter.bytes))
+            else:
+                value = _run(node, out, args, kwargs)
+            values[node.name] = node.meta["example_value"] = value
     out.recompile()
     return out
 
