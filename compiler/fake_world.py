@@ -37,9 +37,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.plan_capture import SharedTrace
+from zeroc.runtime import fake_replay
 from zeroc.runtime.planning_state import PLANNING
 
-__all__ = ["PositionPlan", "fake_world", "loss_of", "meta_copy", "plan_position"]
+__all__ = ["PositionPlan", "fake_world", "loss_of", "meta_copy", "plan_position",
+           "share_front"]
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,10 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                   args: tuple, kwargs: dict, backward: Any) -> dict[str, int]:
     """One training step measured by ``StepMemory``: at rest (after it, before
-    ``zero_grad``) and the peak (parameters at rest + the most bytes alive during it)."""
+    ``zero_grad``) and the peak (parameters at rest + the optimizer state it started with +
+    the most bytes alive during it). Parameters at rest are those held after the step: a
+    step that compiles releases, as it compiles, the parameters other pipeline positions
+    hold, which the rank never holds while it trains."""
     from zeroc.runtime.step_memory import StepMemory
 
     optimizer.zero_grad(set_to_none=True)
@@ -177,7 +182,7 @@ def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimi
         with tracker:
             optimizer.step()
     after = held_bytes(model, optimizer)
-    return {**after, "peak": before["params"] + before["optimizer"] + tracker.peak}
+    return {**after, "peak": after["params"] + before["optimizer"] + tracker.peak}
 
 
 def _backward_for(device: str) -> Any:
@@ -226,17 +231,23 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
         optimizer = torch.optim.AdamW(parallel.parameters())
         session = None
         try:  # compiled outside the tracker: its module hooks would split Dynamo's graph
-            if trace is not None and pp > 1 and trace.gm is None:
+            if trace is not None and pp > 1 and not trace.attempted:
                 trace.trace(parallel, args, kwargs)
             if trace is not None and trace.reusable:
                 compiled, session = trace.compile(parallel, args, kwargs, options)
             else:
                 compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
-            # A first step outside the tracker: what it keeps for later steps (buffers made
-            # once) is not part of a later step's peak, which the tracker measures.
-            loss_of(compiled(*args, **kwargs))
+            # The figures of a later step: a step that ran a graph for the first time on its
+            # input shapes (recorded then, replayed by later steps: fake_replay) is measured
+            # again, from the same start (no optimizer state yet). A position whose stages an
+            # earlier position of this process compiled replays them all in its first step.
+            learned = fake_replay.learned()
             memory = measured_step(compiled, parallel, optimizer, args, kwargs,
                                    _backward_for(device))
+            if fake_replay.learned() != learned:
+                optimizer.state.clear()
+                memory = measured_step(compiled, parallel, optimizer, args, kwargs,
+                                       _backward_for(device))
         except Exception as error:
             _explain_value_read(error)
             raise
@@ -244,3 +255,29 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
     seconds = time.perf_counter() - started
     log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)
     return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds)
+
+
+def share_front(model: nn.Module, example_inputs: Any, *, world: int, pp: int, zero: int,
+                device: str, options: dict | None, mixed_precision: Any,
+                trace: SharedTrace) -> None:
+    """Before any position of a ``pp > 1`` world is planned: trace the model once, as rank 0,
+    into ``trace`` and, when the trace can be shared, build the pipeline front every position
+    compiles from (kept in ``PLANNING.shared``), so that the positions, planned in two
+    processes (``zeroc.plan_workers``), inherit both. A model the shared trace cannot take is
+    left to each position's own compile, which reports what is wrong as a user's would."""
+    import zeroc
+
+    started = time.perf_counter()
+    replica = meta_copy(model)
+    with fake_world(0, world, pp, device):
+        args, kwargs = _fake_inputs(example_inputs, PLANNING.device)
+        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision)
+        try:
+            trace.trace(parallel, args, kwargs)
+            if trace.reusable:
+                trace.build_front(parallel, args, kwargs, options)
+        except Exception as error:
+            _explain_value_read(error)
+            raise
+    log.info("traced the model and built the positions' shared front in %.1f s",
+             time.perf_counter() - started)

@@ -45,7 +45,7 @@ from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
 from zeroc.passes.specialize_shapes import size_inputs
 from zeroc.passes.split_stages import StageSplit
 from zeroc.passes.split_weight_grad import split_weight_grad
-from zeroc.pipeline_front import pipeline_front, remember_sources
+from zeroc.pipeline_front import FrontBuilt, pipeline_front, remember_sources
 from zeroc.pipelined_step import PipelinedStep
 from zeroc.runtime.actions import ActionKind, Schedule
 from zeroc.runtime.cost import graph_info, tensor_bytes
@@ -160,6 +160,8 @@ def _compile_pipeline(
     prefix = f"g{session.next_graph_index()}"
     progress.what = prefix
     front = pipeline_front(gm, example_inputs, config, layout, prefix, dynamic_gm)
+    if PLANNING.front_only:  # a planned world built its shared front: nothing to compile
+        raise FrontBuilt
     params, batch_inputs, batch = set(front.params), set(front.batch_inputs), front.batch
     microbatches, schedule, split = front.microbatches, front.schedule, front.split
     loss_output, normalization, names = front.loss_output, front.normalization, list(front.names)

@@ -43,10 +43,12 @@ from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
 from zeroc.pipeline_front import (
     GROUP_NAMESPACES,
     SHARED_TRACE_META,
+    FrontBuilt,
     front_is_shared,
     op_namespace,
     remember_sources,
 )
+from zeroc.runtime.planning_state import PLANNING
 from zeroc.session import CompileSession
 
 __all__ = ["SharedTrace"]
@@ -146,6 +148,7 @@ class SharedTrace:
         self.sizes: dict[int, int] = {}  # graph input -> the size the traced call passed
         self.graphs = 0
         self.reusable = False
+        self.attempted = False  # trace() ran (whether or not it gave a reusable graph)
 
     def _backend(self, model: nn.Module, args: tuple, kwargs: dict
                  ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
@@ -207,6 +210,7 @@ class SharedTrace:
         """Trace ``model`` (parallelized, on this position's fake tensors) with Dynamo: its
         repeated blocks once (``zeroc.block_regions``) where Dynamo can, else block by
         block; when neither gives one graph, each position traces the model itself."""
+        self.attempted = True
         if not (repeated_blocks(model) and self._trace_once(model, args, kwargs, True)):
             self._trace_once(model, args, kwargs, False)
         self.reusable = (self.graphs == 1 and self.places is not None
@@ -240,3 +244,16 @@ class SharedTrace:
             return next(v for v in outs if isinstance(v, torch.Tensor) and not v.is_meta)
 
         return step, session
+
+    def build_front(self, model: nn.Module, args: tuple, kwargs: dict,
+                    options: dict | None) -> None:
+        """Build (and keep in ``PLANNING.shared``) the pipeline front every position compiles
+        from, compiling no stage: the call stops once the front is made."""
+        step, _ = self.compile(model, args, kwargs, options)
+        PLANNING.front_only = True
+        try:
+            step(*args, **kwargs)
+        except FrontBuilt:
+            pass
+        finally:
+            PLANNING.front_only = False

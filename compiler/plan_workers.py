@@ -1,14 +1,16 @@
-"""Plan a world's pipeline positions on two CPU cores: the later positions in a forked helper.
+"""Plan a world's pipeline positions on two CPU cores: half of them in a forked helper.
 
 ``zeroc.explain(model, inputs, world=W, pp=P)`` plans each of the ``P`` positions with one
-fake training step (``zeroc.fake_world.plan_position``). The first position traces the model
-and builds what every position shares (``zeroc.plan_capture``, ``zeroc.pipeline_front``);
-after it the positions are independent: each makes its own fake process group, parallelizes
-its own copy of the model and runs its own step. With two or more cores at hand
-``plan_positions`` forks one helper process after the first position, which inherits
-everything the first position built and plans the first half of the rest while this process
-plans the second half; the helper sends its ``PositionPlan`` objects back pickled through a
-file and exits without running anything else of this process.
+fake training step (``zeroc.fake_world.plan_position``). What every position shares (Dynamo's
+trace and the pipeline front: ``zeroc.plan_capture``, ``zeroc.pipeline_front``) is built
+first, in this process (``zeroc.fake_world.share_front``); after it the positions are
+independent: each makes its own fake process group, parallelizes its own copy of the model,
+compiles the stages it runs and runs its own step. With two or more cores at hand
+``plan_positions`` forks one helper process, which inherits everything built so far and
+plans the first half of the positions while this process plans the second half; the helper
+sends its ``PositionPlan`` objects back pickled through a file and exits without running
+anything else of this process. Each half compiles one end of the pipeline (the first
+stage's program or the last's) and the middle stages' shared program once.
 
 Nothing depends on the helper: if it fails, is killed or takes far longer than this process
 took for its own half, this process plans its positions itself (a genuine error then
@@ -93,17 +95,13 @@ def _collect(pid: int, path: str, limit_s: float) -> list[Any] | None:
 
 
 def plan_positions(plan_one: Callable[[int], Any], positions: list[int]) -> list[Any]:
-    """``[plan_one(p) for p in positions]``, the first in this process and, with two cores
-    and at least two more positions, the rest split with a forked helper (see the module
-    docstring)."""
-    if not positions:
-        return []
-    planned = [plan_one(positions[0])]
-    rest = positions[1:]
-    if len(rest) < 2 or planning_cores() < 2 or not hasattr(os, "fork"):
-        return planned + [plan_one(p) for p in rest]
-    half = (len(rest) + 1) // 2
-    theirs, mine = rest[:half], rest[half:]
+    """``[plan_one(p) for p in positions]``; with two cores and at least two positions, the
+    first half planned by a forked helper while this process plans the second half (see the
+    module docstring)."""
+    if len(positions) < 2 or planning_cores() < 2 or not hasattr(os, "fork"):
+        return [plan_one(p) for p in positions]
+    half = (len(positions) + 1) // 2
+    theirs, mine = positions[:half], positions[half:]
     handle, path = tempfile.mkstemp(prefix="zeroc-plan-", suffix=".pkl")
     os.close(handle)
     log.info("zeroc: planning positions %s in a helper process, %s here", theirs, mine)
@@ -121,4 +119,4 @@ def plan_positions(plan_one: Callable[[int], Any], positions: list[int]) -> list
     helped = _collect(pid, path, max(_MIN_WAIT_S, _WAIT_FACTOR * elapsed))
     if helped is None or len(helped) != len(theirs):
         helped = [plan_one(p) for p in theirs]
-    return planned + helped + own
+    return helped + own

@@ -1,12 +1,13 @@
 """``zeroc.explain(model, example_inputs, world=W, ...)``: the plan of a job that is not there.
 
-Each pipeline position is planned once on fake tensors (``zeroc.fake_world.plan_position``,
-on its first data-parallel rank; after the first, half of them in a helper process on a second
-core, ``zeroc.plan_workers``); the positions' plans are merged into one: the graphs,
-collectives, kernels and passes of position 0 (every position runs the same passes), every
-position's stages (the pipeline section already holds all stages), and one memory row per
-rank, measured on that rank's position. ``meta.world_size`` and ``meta.mesh`` describe the
-planned world, and the step time is estimated from a hardware profile
+Each pipeline position is planned once on fake tensors (``zeroc.fake_world.plan_position``, on
+its first data-parallel rank), after what they share is built once
+(``zeroc.fake_world.share_front``: Dynamo's trace and the pipeline front), half of them in a
+helper process on a second core (``zeroc.plan_workers``); the positions' plans are merged into
+one: the graphs, collectives, kernels and passes of position 0 (every position runs the same
+passes), every position's stages (the pipeline section already holds all stages), and one
+memory row per rank, measured on that rank's position. ``meta.world_size`` and ``meta.mesh``
+describe the planned world, and the step time is estimated from a hardware profile
 (``zeroc.runtime.hardware``) when one is given.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from zeroc.fake_world import DEVICES, plan_position
+from zeroc.fake_world import DEVICES, plan_position, share_front
 from zeroc.plan_capture import SharedTrace
 from zeroc.plan_workers import plan_positions
 from zeroc.runtime.plan import Plan
@@ -68,7 +69,10 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
             model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
             device=device, options=options, mixed_precision=mixed_precision, trace=trace)
 
-    try:  # the first position here, the rest split with a helper process on a second core
+    try:  # what the positions share first; then the positions, on two cores where there are
+        if pp > 1 and trace is not None:
+            share_front(model, example_inputs, world=world, pp=pp, zero=zero, device=device,
+                        options=options, mixed_precision=mixed_precision, trace=trace)
         positions = plan_positions(plan_one, list(range(pp)))
     finally:
         PLANNING.shared = None

@@ -9,7 +9,9 @@ Thread-local, set only inside ``zeroc.fake_world.fake_world``.
 
 ``PLANNING.shared``: while ``zeroc.world_plan.plan_world`` plans the positions of one world,
 a dict where a position leaves what the next can take as it is (``zeroc.pipeline_front``);
-``None`` otherwise.
+``None`` otherwise. ``PLANNING.front_only``: set while ``plan_world`` builds that shared front
+before any position is planned; the pipeline compiler then stops once the front is made
+(raising ``zeroc.pipeline_front.FrontBuilt``) and compiles no stage.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class _Planning(threading.local):
     device: torch.device | None = None
     simulated = False
     shared: dict | None = None
+    front_only = False
 
 
 PLANNING = _Planning()

@@ -1,4 +1,4 @@
-"""A planned world's later positions are split with a forked helper process (two cores).
+"""A planned world's positions are split with a forked helper process (two cores).
 
 The plan must be the one planning every position in this process gives; the helper must
 really plan its half (in another process); a helper that fails leaves its positions to this
@@ -58,8 +58,8 @@ def test_the_helper_plans_half_the_positions_to_the_same_plan(monkeypatch, tmp_p
     planned = dict(line.split() for line in log_path.read_text().splitlines())
     assert sorted(int(rank) for rank in planned) == [0, 2, 4, 6]
     here = str(os.getpid())
-    # The first position here; of the other three, the helper plans the first two.
-    assert [planned[r] == here for r in ("0", "2", "4", "6")] == [True, False, False, True]
+    # The helper plans the first half of the positions, this process the second half.
+    assert [planned[r] == here for r in ("0", "2", "4", "6")] == [False, False, True, True]
 
 
 def test_a_failed_helper_leaves_its_positions_here(monkeypatch, tmp_path) -> None:
