@@ -5,8 +5,9 @@ position (``zeroc.fake_world``). Every position compiles the same Dynamo graph o
 model: only its process-group rank differs, and with it which stages it compiles and which
 parameters it keeps. Dynamo's trace of a parallelized model is the slowest part of planning
 a large one (about half of a Llama-7B-shaped position), so ``SharedTrace`` traces once, on the
-first position, and gives that graph to zeroc's pipeline compiler on every position, with the
-position's own parameters and inputs in the graph's input order.
+model parallelized as rank 0 before any position is planned (``zeroc.fake_world.share_front``),
+and gives that graph to zeroc's pipeline compiler on every position, with the position's own
+parameters and inputs in the graph's input order.
 
 The trace is taken with a backend that keeps the graph and compiles nothing; the call that
 traced stops there (``_Traced``), so no step runs twice. It is shared when it can be shared
@@ -18,7 +19,7 @@ faithfully, else each position traces the model itself:
   (``zeroc.block_regions``) and inlined back into the flat graph a plain trace gives;
 - its batch dimension is symbolic (``zeroc.parallelize(pp > 1)`` asks for that), so the
   pipeline compiler specializes copies of it and never changes the graph itself;
-- every graph input is found on the first position's model: a parameter, a buffer, a tensor
+- every graph input is found on the traced model: a parameter, a buffer, a tensor
   in a module's ``__dict__`` (the flat buffers behind parallelized parameters), a tensor the
   caller passed, or a size.
 
@@ -144,7 +145,7 @@ class SharedTrace:
     def __init__(self) -> None:
         self.gm: torch.fx.GraphModule | None = None
         self.places: list[tuple] | None = None
-        self.example_inputs: list[Any] = []  # the first position's (sizes are SymInts)
+        self.example_inputs: list[Any] = []  # the traced call's (sizes are SymInts)
         self.sizes: dict[int, int] = {}  # graph input -> the size the traced call passed
         self.graphs = 0
         self.reusable = False
