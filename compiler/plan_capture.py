@@ -255,6 +255,6 @@ class SharedTrace:
         try:
             step(*args, **kwargs)
         except FrontBuilt:
-            pass
+            pass  # the intended stop: the front is kept, no stage was compiled
         finally:
             PLANNING.front_only = False

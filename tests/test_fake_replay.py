@@ -2,8 +2,9 @@
 
 A replayed call must leave the step's memory tracker exactly where running the graph would:
 the same bytes live after it, the same peak, outputs with the same aliasing (views of inputs,
-outputs sharing one storage, a view where it was one as ``fake_replay.is_view`` tells). A planned pipeline's memory rows are
-the same with replaying and without. Graphs holding a collective run every time.
+outputs sharing one storage, a view where it was one as ``fake_replay.is_view`` tells). A
+planned pipeline's memory rows are the same with replaying and without. Graphs holding a
+collective run every time.
 """
 
 from __future__ import annotations
