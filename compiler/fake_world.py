@@ -37,7 +37,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.plan_capture import SharedTrace
-from zeroc.runtime import fake_replay
 from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["PositionPlan", "fake_world", "loss_of", "meta_copy", "plan_position",
@@ -237,17 +236,11 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
                 compiled, session = trace.compile(parallel, args, kwargs, options)
             else:
                 compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
-            # The figures of a later step: a step that ran a graph for the first time on its
-            # input shapes (recorded then, replayed by later steps: fake_replay) is measured
-            # again, from the same start (no optimizer state yet). A position whose stages an
-            # earlier position of this process compiled replays them all in its first step.
-            learned = fake_replay.learned()
+            # One step, measured. A graph that runs for the first time on its input shapes is
+            # recorded and replayed by later steps (fake_replay), which gives the same figures:
+            # the first step's are a later step's.
             memory = measured_step(compiled, parallel, optimizer, args, kwargs,
                                    _backward_for(device))
-            if fake_replay.learned() != learned:
-                optimizer.state.clear()
-                memory = measured_step(compiled, parallel, optimizer, args, kwargs,
-                                       _backward_for(device))
         except Exception as error:
             _explain_value_read(error)
             raise

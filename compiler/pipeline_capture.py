@@ -37,7 +37,7 @@ from zeroc import stage_reuse
 from zeroc.codegen.inductor_graphs import inductor_decompositions, kernel_path
 from zeroc.config import Config
 from zeroc.log_setup import CompileProgress, decisions
-from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
+from zeroc.passes.base import PassContext, graph_module, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.hoist_unshard import full_size_inputs
 from zeroc.passes.overlap_fb import overlap_forward_backward
@@ -171,10 +171,13 @@ def _compile_pipeline(
                            dynamo_code=front.dynamo_code, passes=list(front.passes))
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
-    real_inputs, example_inputs = example_inputs, full_size_inputs(example_inputs, hoisted)
     position = layout.mesh.pp_index
     session.add(record)
     mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
+    # The stage graphs read full parameters: only this position's stages' are made.
+    read_here = {i for s in mine for i in split.stages[s].param_inputs}
+    real_inputs, example_inputs = example_inputs, full_size_inputs(
+        example_inputs, {i: h for i, h in hoisted.items() if i in read_here})
     record.device = str(device)
     record.zero = layout.zero
     record.zero_group = layout.dp_group_name
@@ -325,13 +328,14 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     with torch.enable_grad():  # a no_grad recompile still builds the training graphs
         joint = aot_export_joint_simple(spec.gm, args, trace_joint=True,
                                         decompositions=decompositions)
-    joint = passes(joint, "joint", JOINT_PASSES)
+    # The passes recompile each graph after each pass; its code is made once, when it runs.
+    joint = passes(graph_module(joint, joint.graph), "joint", JOINT_PASSES)
     num_fwd = len(spec.out_keys) + spec.num_model_outputs
     partition = (min_cut_rematerialization_partition if config.partitioner == "min_cut"
                  else default_partition)
     fw, bw = partition(joint, args, num_fwd_outputs=num_fwd)
-    fw = passes(fw, "forward", graph_passes(path))
-    bw = passes(bw, "backward", graph_passes(path))
+    fw = passes(graph_module(fw, fw.graph), "forward", graph_passes(path))
+    bw = passes(graph_module(bw, bw.graph), "backward", graph_passes(path))
     output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     record.saved_bytes += sum(tensor_bytes(n.meta.get("val"))
                               for n in output.args[0][num_fwd:] if isinstance(n, torch.fx.Node))

@@ -40,6 +40,7 @@ from torch import nn
 
 from zeroc.block_regions import blocks_traced_once, inline_block_regions, repeated_blocks
 from zeroc.config import Config
+from zeroc.passes.base import graph_module
 from zeroc.pipeline_capture import compile_pipeline, pipeline_layout_of
 from zeroc.pipeline_front import (
     GROUP_NAMESPACES,
@@ -114,7 +115,7 @@ def _renamed_groups(gm: torch.fx.GraphModule, names: dict[str, str]) -> torch.fx
             copied.kwargs = {k: names.get(v, v) if isinstance(v, str) else v
                              for k, v in copied.kwargs.items()}
         env[node] = copied
-    return torch.fx.GraphModule(gm, graph)
+    return graph_module(gm, graph)
 
 
 @contextlib.contextmanager

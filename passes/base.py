@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zeroc.runtime.records import PassInfo
 
@@ -74,6 +75,16 @@ def pass_infos(records: list[PassRecord]) -> list[PassInfo]:
                  after=r.after, stats=tuple(sorted((k, str(v)) for k, v in r.stats.items())))
         for r in records
     ]
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph,
+                 class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """``torch.fx.GraphModule(root, graph, class_name)`` whose Python code is generated when
+    it is first run or its code is read, not at every ``recompile()`` (torch's
+    ``_LazyGraphModule``, which Inductor uses for the same reason): the passes over a
+    model's whole graph rewrite and recompile it many times, and only the stage graphs cut
+    from it ever run. Its text (``graph_text``) is printed from the graph, as always."""
+    return _LazyGraphModule(root, graph, class_name)
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard for fake runs)
+from zeroc.passes.base import graph_module
 
 _RESHAPES = {"view", "reshape", torch.reshape, torch.Tensor.view, torch.Tensor.reshape}
 _EXPANDS = {"expand", torch.Tensor.expand}
@@ -200,7 +201,7 @@ def microbatch_graph(
     ratio = batch // microbatch
     # Reuse a micro-batch propagation's values only where nothing is to be shrunk.
     specialized = _specialized_mode(gm) if ratio == 1 else None
-    gm = torch.fx.GraphModule(gm, _copy_graph(gm))
+    gm = graph_module(gm, _copy_graph(gm))
     fake_mode = specialized or FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
     dims: dict[str, int | None] = {}

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zeroc.passes.base import graph_module
 from zeroc.passes.microbatch_shapes import SPECIALIZED_RUN, CostMode, NodeEstimate, SpecializedRun
 
 __all__ = ["microbatch_inputs", "size_inputs", "specialize"]
@@ -57,7 +58,7 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
     for node in gm.graph.nodes:
         copied = graph.node_copy(node, lambda n: sizes.get(n.name, env[n]))
         env[node] = copied
-    out = torch.fx.GraphModule(gm, graph)
+    out = graph_module(gm, graph)  # its code is made if it is ever run
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
     with fake_mode, torch.enable_grad():
@@ -82,7 +83,6 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
             else:
                 value = _run(node, out, args, kwargs)
             values[node.name] = node.meta["example_value"] = value
-    out.recompile()
     return out
 
 

@@ -123,3 +123,41 @@ def test_micro_batches_at_other_offsets_are_replayed() -> None:
             assert view.storage_offset() == x.storage_offset() + 16
             assert view.untyped_storage()._cdata == batch.untyped_storage()._cdata
     assert len(runs) == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_step_that_records_measures_as_a_replayed_step(device: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planned position is measured in one step, the one that records its graphs: a second
+    step, which replays them all, gives the same figures (HF Llama, ZeRO-3, pp 2 x dp 2)."""
+    import transformers
+
+    from zeroc import fake_world, plan_workers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    tokens = torch.zeros(8, 32, dtype=torch.long)
+    measure = fake_world.measured_step
+    steps = []
+
+    def twice(compiled, module, optimizer, args, kwargs, backward):
+        before = fake_replay.learned()
+        first = measure(compiled, module, optimizer, args, kwargs, backward)
+        recorded = fake_replay.learned() - before
+        optimizer.state.clear()
+        second = measure(compiled, module, optimizer, args, kwargs, backward)
+        steps.append((first, second, recorded, fake_replay.learned() - before - recorded))
+        return first
+
+    monkeypatch.setattr(fake_world, "measured_step", twice)
+    monkeypatch.setattr(plan_workers, "planning_cores", lambda: 1)  # the steps, seen here
+    for schedule in ("1f1b", "dualpipev"):
+        zeroc.explain(model, {"input_ids": tokens, "labels": tokens}, world=4, pp=2, zero=3,
+                      device=device, options={"schedule": schedule, "microbatches": 4})
+    assert len(steps) == 4
+    for first, second, recorded, recorded_again in steps:
+        assert recorded > 0 and recorded_again == 0  # the first step ran graphs, the second not
+        assert first == second

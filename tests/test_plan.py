@@ -110,3 +110,22 @@ def test_graph_breaks_and_recompiles_each_appear() -> None:
     compiled(torch.randn(3))
     plan = zeroc.explain(compiled)
     assert {g.name for g in plan.graphs} >= {"g0.inference", "g1.inference"}
+
+
+def test_a_graph_module_makes_its_code_when_it_runs_not_at_each_recompile() -> None:
+    """``passes.base.graph_module``: recompiling after a rewrite makes no code; running it
+    (or reading its code) does, from the graph as it is then."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from zeroc.passes.base import graph_module, graph_text
+
+    traced = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    gm = graph_module(traced, traced.graph)
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    relu.target = torch.sigmoid  # a pass's rewrite
+    gm.recompile()
+    assert type(gm)._needs_recompile()  # no code made yet
+    assert "sigmoid" in graph_text(gm)  # the text is printed from the graph
+    x = torch.randn(5)
+    torch.testing.assert_close(gm(x), torch.sigmoid(x) + 1)
+    assert isinstance(gm, _LazyGraphModule) and not type(gm)._needs_recompile()
