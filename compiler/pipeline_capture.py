@@ -174,10 +174,11 @@ def _compile_pipeline(
     position = layout.mesh.pp_index
     session.add(record)
     mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
-    # The stage graphs read full parameters: only this position's stages' are made.
+    # The hoisted parameters this position's stages read: the stage graphs are traced on
+    # full-size ones, and the executor gathers these once per step.
     read_here = {i for s in mine for i in split.stages[s].param_inputs}
-    real_inputs, example_inputs = example_inputs, full_size_inputs(
-        example_inputs, {i: h for i, h in hoisted.items() if i in read_here})
+    hoisted_here = {i: h for i, h in hoisted.items() if i in read_here}
+    real_inputs, example_inputs = example_inputs, full_size_inputs(example_inputs, hoisted_here)
     record.device = str(device)
     record.zero = layout.zero
     record.zero_group = layout.dp_group_name
@@ -226,8 +227,7 @@ def _compile_pipeline(
             group_name=layout.mesh.pp_group_name,
             loss_kind=normalization.kind,
             loss_denominator=normalization.denominator,
-            hoisted={i: h for i, h in hoisted.items()
-                     if any(i in programs[st].param_inputs for st in programs)},
+            hoisted=hoisted_here,
             bucket_mb=config.bucket_mb,
         ),
         programs,

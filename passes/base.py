@@ -81,9 +81,10 @@ def graph_module(root: torch.nn.Module, graph: torch.fx.Graph,
                  class_name: str = "GraphModule") -> torch.fx.GraphModule:
     """``torch.fx.GraphModule(root, graph, class_name)`` whose Python code is generated when
     it is first run or its code is read, not at every ``recompile()`` (torch's
-    ``_LazyGraphModule``, which Inductor uses for the same reason): the passes over a
-    model's whole graph rewrite and recompile it many times, and only the stage graphs cut
-    from it ever run. Its text (``graph_text``) is printed from the graph, as always."""
+    ``_LazyGraphModule``, which Inductor uses for the same reason): the passes rewrite and
+    recompile a graph many times, and the pipeline front's whole-model graphs never run at
+    all (only the stage graphs cut from them do). Its text (``graph_text``) is printed from
+    the graph, as always."""
     return _LazyGraphModule(root, graph, class_name)
 
 
