@@ -52,6 +52,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_map
 
 from zeroc.deferred_init import DeferredInit, has_meta_parameters
+from zeroc.fake_params import active_fake_mode, fake_flat, fake_visible
 from zeroc.meta_init import PLANNING, check_meta_initializable, materialize_direct
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.mesh import Mesh, build_mesh
@@ -334,15 +335,16 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
     else:
         placement, op_stage = "shard", (0 if zero == 1 else zero)
     dp, index = mesh.dp, mesh.dp_index
+    # Planning: fake tensors hold no values, so the shard is only its size (a world of 64
+    # ranks makes hundreds of them per pipeline position), made without dispatching an op.
+    fake_mode = active_fake_mode() if PLANNING.simulated else None
     if op_stage in (2, 3):
         padded, offset = padded_numel_for(shape, dp), 0
-        # Planning: fake tensors hold no values, so the shard is only its size (a world of
-        # 64 ranks makes hundreds of them per pipeline position).
-        flat = (torch.empty(padded // dp, dtype=full.dtype, device=full.device)
-                if PLANNING.simulated else shard_of(full, dp, index))
+        flat = (fake_flat(fake_mode, padded // dp, full.dtype, full.device, param.requires_grad)
+                if fake_mode is not None else shard_of(full, dp, index))
     else:
-        flat = (torch.empty(numel, dtype=full.dtype, device=full.device)
-                if PLANNING.simulated else full.detach().reshape(-1).clone())
+        flat = (fake_flat(fake_mode, numel, full.dtype, full.device, param.requires_grad)
+                if fake_mode is not None else full.detach().reshape(-1).clone())
         padded = numel
         offset = index * rows_per_shard(shape, dp) * row_numel(shape) if placement == "shard" else 0
     local_rows = local_rows_for(shape, dp, index) if placement == "shard" else (
@@ -358,10 +360,18 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
         op_stage=op_stage, param_dtype=policy.param_dtype if policy else None,
         reduce_dtype=policy.reduce_dtype if policy else None,
     )
-    flat = nn.Parameter(flat, requires_grad=param.requires_grad)
+    if fake_mode is None:
+        flat = nn.Parameter(flat, requires_grad=param.requires_grad)
     sharded = ShardedParam(record=record, flat=flat, visible=None, spec=spec,  # type: ignore
                            local_offset=offset, dp_mesh=mesh.dp_device_mesh,
                            placement=placement)
-    sharded.visible = nn.Parameter(sharded.wrap(sharded.local_view(flat.detach())),
-                                   requires_grad=param.requires_grad)
+    if fake_mode is not None:
+        start, local_shape = sharded.local_layout()
+        sharded.visible = fake_visible(
+            fake_mode, flat, start, local_shape, param.requires_grad,
+            mesh.dp_device_mesh if placement != "plain" else None,
+            sharded.dtensor_placement(), shape)
+    else:
+        sharded.visible = nn.Parameter(sharded.wrap(sharded.local_view(flat.detach())),
+                                       requires_grad=param.requires_grad)
     return sharded

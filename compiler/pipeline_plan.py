@@ -26,6 +26,7 @@ from zeroc.runtime.plan import Plan
 from zeroc.runtime.records import MemoryEstimate, PipelineInfo, StageInfo
 from zeroc.runtime.schedule_grid import render_grid
 from zeroc.runtime.simulate import ActionCosts, simulate
+from zeroc.runtime.zero_ops import local_rows_for
 
 
 def _measured_p2p_wait(labels: tuple[tuple[str, ...], ...],
@@ -165,11 +166,19 @@ def _memory_per_rank(plan: Plan, record: Any, info: PipelineInfo) -> tuple[Memor
     mesh = layout.mesh
     own = layout.held_bytes(ADAM_STATES, names=record.position_params[mesh.pp_index])
     moved = _moved_per_step(plan, info.num_microbatches)
+    # A data-parallel index's bytes depend on it only through the rows it owns of each
+    # sharded first dimension: indices that own the same rows hold the same bytes (all but
+    # the last few of a large world), so those bytes are counted once.
+    firsts = {r.shape[0]: r.shape for r in layout.params if r.sharded and r.shape}
     rows = []
     for position in range(layout.pp):
+        counted: dict[tuple[int, ...], tuple[int, int, int]] = {}
         for dp_index, rank in enumerate(dp_ranks_of(position, layout.pp, layout.dp)):
-            held = layout.held_bytes(ADAM_STATES, names=record.position_params[position],
-                                     dp_index=dp_index)
+            owned = tuple(local_rows_for(shape, layout.dp, dp_index) for shape in firsts.values())
+            held = counted.get(owned)
+            if held is None:
+                held = counted[owned] = layout.held_bytes(
+                    ADAM_STATES, names=record.position_params[position], dp_index=dp_index)
             activations = info.peak_activation_bytes[position]
             rows.append(MemoryEstimate(
                 rank=rank, params=held[0], grads=held[1], optimizer=held[2],

@@ -37,6 +37,7 @@ all-gather per dtype brings every rank's updated rows to all (``after_optimizer_
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import Any, NamedTuple
 
@@ -94,23 +95,33 @@ class ShardedParam:
             zero = torch.zeros((), dtype=dtype, device=self.flat.device)
             self.sink = zero.expand(self.record.shape).requires_grad_()
 
-    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``flat`` (or of a tensor laid out like it) in their shape."""
+    def local_layout(self) -> tuple[int, tuple[int, ...]]:
+        """Where this rank's rows lie in the flat buffer: (first element, their shape)."""
         shape = self.record.shape
         if self.placement != "shard":
-            return flat[: self.record.numel].view(shape)
-        rows = self.record.local_rows
-        row = self.record.numel // shape[0] if shape[0] else 0
-        start = self.local_offset
-        return flat[start : start + rows * row].view(rows, *shape[1:])
+            return 0, shape
+        return self.local_offset, (self.record.local_rows, *shape[1:])
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``flat`` (or of a tensor laid out like it) in their shape."""
+        start, shape = self.local_layout()
+        return flat[start : start + math.prod(shape)].view(shape)
+
+    def dtensor_placement(self) -> Any:
+        """The visible DTensor's placement on ``dp_mesh`` (``None`` for a plain tensor)."""
+        if self.placement == "plain":
+            return None
+        from torch.distributed.tensor import Replicate, Shard
+
+        return Shard(0) if self.placement == "shard" else Replicate()
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the visible parameter's kind of tensor (DTensor or plain)."""
-        if self.placement == "plain":
+        placement = self.dtensor_placement()
+        if placement is None:
             return local
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor
 
-        placement = Shard(0) if self.placement == "shard" else Replicate()
         shape = torch.Size(self.record.shape)
         return DTensor.from_local(local, self.dp_mesh, [placement], run_check=False,
                                   shape=shape, stride=_contiguous_strides(shape))

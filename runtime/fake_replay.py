@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from zeroc.runtime.step_memory import StepMemory, current_tracker
 
-__all__ = ["call", "is_view", "learned", "replayable"]
+__all__ = ["adds_nothing", "call", "is_view", "learned", "replayable"]
 
 # Ops that talk to other ranks or count calls: a graph holding one runs every time.
 _UNREPLAYABLE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
@@ -208,10 +208,9 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
     def allocate(size: tuple[int, ...], stride: tuple[int, ...], out: _Fresh) -> torch.Tensor:
         # As fake tensor mode makes an op's output, without dispatching an op (a third of
         # the time); the step's tracker is told of it as it would see it.
-        with _disable_current_modes():
-            meta = metas[out.group] = torch.empty_strided(size, stride, dtype=out.dtype,
-                                                          device="meta")
-            tensor = FakeTensor(mode, meta, out.device)
+        meta = metas[out.group] = torch.empty_strided(size, stride, dtype=out.dtype,
+                                                      device="meta")
+        tensor = FakeTensor(mode, meta, out.device)
         if tracker is not None:
             tracker.note(tensor)
         return tensor
@@ -220,27 +219,30 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
         base = bases.get(out.group)
         if base is None:
             base = bases[out.group] = allocate((out.nbytes // out.dtype.itemsize,), (1,), out)
-        with _disable_current_modes():  # the same storage, without dispatching an op
-            tensor = FakeTensor(mode, metas[out.group].as_strided(out.size, out.stride,
-                                                                  out.offset), out.device)
+        # the same storage, without dispatching an op
+        tensor = FakeTensor(mode, metas[out.group].as_strided(out.size, out.stride, out.offset),
+                            out.device)
         if out.needs_base:  # no ``_base`` (no op made it): ``is_view`` tells instead
             tensor._zeroc_replayed_view = True
         return tensor
 
-    for index, out in enumerate(record.outputs):
-        if isinstance(out, _Fresh) and not out.view:
-            made[index] = bases[out.group] = allocate(out.size, out.stride, out)
     outs = []
-    for index, out in enumerate(record.outputs):
-        if isinstance(out, _Constant):
-            outs.append(out.value)
-        elif isinstance(out, _OfInput):
-            source = args[out.index]
-            outs.append(source if out.same else _view_of_input(mode, source, out))
-        elif not out.view:
-            outs.append(made[index])
-        else:
-            outs.append(view(out))
+    # Every tensor below is made on meta and wrapped: no mode may see those ops (modes are
+    # set aside once for the whole call; entering that costs as much as making a tensor).
+    with _disable_current_modes():
+        for index, out in enumerate(record.outputs):
+            if isinstance(out, _Fresh) and not out.view:
+                made[index] = bases[out.group] = allocate(out.size, out.stride, out)
+        for index, out in enumerate(record.outputs):
+            if isinstance(out, _Constant):
+                outs.append(out.value)
+            elif isinstance(out, _OfInput):
+                source = args[out.index]
+                outs.append(source if out.same else _view_of_input(mode, source, out))
+            elif not out.view:
+                outs.append(made[index])
+            else:
+                outs.append(view(out))
     return tuple(outs) if record.as_tuple else outs
 
 
@@ -255,12 +257,11 @@ def _view_of_input(mode: Any, source: torch.Tensor, out: _OfInput) -> torch.Tens
     """``source.as_strided(...)`` without dispatching an op through fake tensor mode (most of
     a replay's time): a meta tensor set to ``source``'s own storage, wrapped. It has no
     ``_base``; nothing reads one of it: the executor's fresh-gradient test already fails on
-    its storage, which an input of the same call shares."""
-    with _disable_current_modes():
-        meta = torch.empty(0, dtype=source.dtype, device="meta")
-        meta.set_(source.untyped_storage(), source.storage_offset() + out.offset, out.size,
-                  out.stride)
-        return FakeTensor(mode, meta, source.device)
+    its storage, which an input of the same call shares. Called with modes set aside."""
+    meta = torch.empty(0, dtype=source.dtype, device="meta")
+    meta.set_(source.untyped_storage(), source.storage_offset() + out.offset, out.size,
+              out.stride)
+    return FakeTensor(mode, meta, source.device)
 
 
 class _GraphMemory(StepMemory):
@@ -308,6 +309,17 @@ def call(graph: Any, *args: Any) -> Any:
             described, own.peak, tuple(sorted(own.touched)), isinstance(outs, tuple))
         _LEARNED[0] += described is not None
     return outs
+
+
+def adds_nothing(target: torch.Tensor, value: Any) -> bool:
+    """Whether ``target.add_(value)`` would change nothing a planned step measures: both are
+    plain fake tensors of one shape, dtype and device, neither requiring a gradient, so the op
+    has no values to add, makes no storage, broadcasts nothing and cannot fail (a step's
+    gradient accumulation, once per micro-batch and parameter, skips it)."""
+    return (type(target) is FakeTensor and type(value) is FakeTensor
+            and not target.requires_grad and not value.requires_grad
+            and target.shape == value.shape and target.dtype == value.dtype
+            and target.device == value.device)
 
 
 def learned() -> int:

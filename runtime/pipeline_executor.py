@@ -347,7 +347,8 @@ class PipelineExecutor:
                 continue
             held = self._grads.get(index)
             if held is not None:
-                held.add_(grad)
+                if not (PLANNING.simulated and fake_replay.adds_nothing(held, grad)):
+                    held.add_(grad)
                 continue
             if storages is None:
                 storages = _storage_counts(call)

@@ -105,6 +105,9 @@ def _release_at_exit() -> None:
         gc.collect()  # free the groups (joining gloo's threads) while the interpreter is whole
 
 
+_SCANNED: dict[str, types.ModuleType] = {}  # module name -> the module object scanned
+
+
 def drop_captured_groups() -> int:
     """Replace process groups captured as default arguments in ``torch.distributed`` by ``None``.
 
@@ -119,6 +122,12 @@ def drop_captured_groups() -> int:
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith("torch.distributed"):
             continue
+        # A default is evaluated once, when its module runs: a module scanned before holds
+        # no captured group now (it had none, or they were replaced then).
+        if _SCANNED.get(name) is module:
+            continue
+        if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+            _SCANNED[name] = module  # (one still being imported may define more)
         # type(), not isinstance(): some module attributes warn when their class is read.
         for value in list(vars(module).values()):
             kind = type(value)

@@ -1,0 +1,94 @@
+"""A planned rank's parameter tensors, made without dispatching an op.
+
+In the fake world (``zeroc.fake_world``) ``zeroc.parallelize`` makes, for every parameter of
+the model, a flat buffer and a visible parameter over this rank's rows of it. Made with
+tensor ops, that is about eight ops per parameter, and fake tensor mode spends 100-200 µs on
+each (it hashes every call for its cache): a second per pipeline position of a 70B model
+(723 parameters), for tensors that hold no values.
+
+The same tensors are made here directly, as the ops would leave them:
+
+- a flat buffer: a meta tensor of its size wrapped as a ``FakeTensor`` of the active mode
+  (what fake tensor mode does with an op's meta output), marked a parameter the way
+  ``nn.Parameter`` marks a tensor subclass (``requires_grad_`` and ``_is_param``);
+- a visible parameter: a meta view of the flat buffer's storage (same storage, offset, shape
+  and contiguous strides as ``flat[start:start + n].view(shape)``), wrapped the same way, then
+  for a DTensor placed with the ``DTensorSpec`` that ``DTensor.from_local`` builds.
+
+Nothing here has an autograd history, as a parameter has none. ``tests/test_fake_params.py``
+checks these tensors against the dispatched ones property by property, and that a planned
+world gives the same plan either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["active_fake_mode", "fake_empty", "fake_flat", "fake_visible"]
+
+
+def active_fake_mode() -> FakeTensorMode | None:
+    """The fake tensor mode in effect here (``zeroc.fake_world``'s), if any."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode()
+    return mode if isinstance(mode, FakeTensorMode) else None
+
+
+def _as_parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    # What ``nn.Parameter(t, requires_grad)`` does with a tensor subclass, minus the detach
+    # (``tensor`` is new and has no history).
+    tensor.requires_grad_(requires_grad)
+    tensor._is_param = True  # type: ignore[attr-defined]
+    return tensor  # type: ignore[return-value]
+
+
+def fake_empty(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype, device=device)`` on ``mode``'s fake tensors."""
+    with _disable_current_modes():
+        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), device)
+
+
+def fake_flat(mode: FakeTensorMode, numel: int, dtype: torch.dtype, device: torch.device,
+              requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(torch.empty(numel, dtype=dtype, device=device), requires_grad)`` on
+    ``mode``'s fake tensors."""
+    return _as_parameter(fake_empty(mode, (numel,), dtype, device), requires_grad)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def fake_visible(mode: FakeTensorMode, flat: torch.Tensor, offset: int,
+                 local_shape: tuple[int, ...], requires_grad: bool, dp_mesh: Any = None,
+                 placement: Any = None, global_shape: tuple[int, ...] = ()) -> nn.Parameter:
+    """The visible parameter over ``flat``'s elements ``[offset, offset + numel(local_shape))``
+    in ``local_shape``: a plain tensor, or with ``dp_mesh`` a DTensor of ``placement`` and
+    ``global_shape`` (as ``DTensor.from_local(..., shape=, stride=)``), as a parameter."""
+    with _disable_current_modes():
+        meta = torch.empty(0, dtype=flat.dtype, device="meta")
+        meta.set_(flat.untyped_storage(), flat.storage_offset() + offset, local_shape,
+                  _contiguous_strides(local_shape))
+        local = FakeTensor(mode, meta, flat.device)
+    if dp_mesh is None:
+        return _as_parameter(local, requires_grad)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(global_shape)
+    spec = DTensorSpec(dp_mesh, (placement,),
+                       tensor_meta=TensorMeta(shape, _contiguous_strides(shape), flat.dtype))
+    visible = DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[call-arg]
+    visible._is_param = True  # type: ignore[attr-defined]
+    return visible  # type: ignore[return-value]
