@@ -9,6 +9,8 @@ figure of a planned world as it is without them.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
@@ -18,7 +20,8 @@ import zeroc
 from zeroc import fake_world, plan_workers
 from zeroc.runtime import fake_replay
 
-PARALLELIZE = __import__("zeroc.parallelize", fromlist=["_shard"])
+# The module, not the function ``zeroc.parallelize`` that shadows it on the package.
+PARALLELIZE = importlib.import_module("zeroc.parallelize")
 
 
 def _llama(layers: int = 2):
