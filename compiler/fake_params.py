@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -62,33 +63,28 @@ def fake_flat(mode: FakeTensorMode, numel: int, dtype: torch.dtype, device: torc
     return _as_parameter(fake_empty(mode, (numel,), dtype, device), requires_grad)
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def fake_visible(mode: FakeTensorMode, flat: torch.Tensor, offset: int,
-                 local_shape: tuple[int, ...], requires_grad: bool, dp_mesh: Any = None,
-                 placement: Any = None, global_shape: tuple[int, ...] = ()) -> nn.Parameter:
-    """The visible parameter over ``flat``'s elements ``[offset, offset + numel(local_shape))``
-    in ``local_shape``: a plain tensor, or with ``dp_mesh`` a DTensor of ``placement`` and
-    ``global_shape`` (as ``DTensor.from_local(..., shape=, stride=)``), as a parameter."""
+def fake_visible(mode: FakeTensorMode, sharded: Any) -> nn.Parameter:
+    """``sharded``'s visible parameter over its flat buffer, as ``_shard`` makes it with
+    ``nn.Parameter(sharded.wrap(sharded.local_view(flat.detach())))``: this rank's rows
+    (``ShardedParam.local_layout``) as a plain tensor, or placed on ``dp_mesh`` as a DTensor
+    of the parameter's whole shape (the spec ``DTensor.from_local(..., shape=, stride=)``
+    builds)."""
+    flat = sharded.flat
+    offset, local_shape = sharded.local_layout()
     with _disable_current_modes():
         meta = torch.empty(0, dtype=flat.dtype, device="meta")
         meta.set_(flat.untyped_storage(), flat.storage_offset() + offset, local_shape,
-                  _contiguous_strides(local_shape))
+                  make_contiguous_strides_for(local_shape))
         local = FakeTensor(mode, meta, flat.device)
-    if dp_mesh is None:
-        return _as_parameter(local, requires_grad)
+    placement = sharded.dtensor_placement()
+    if placement is None:
+        return _as_parameter(local, flat.requires_grad)
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    shape = torch.Size(global_shape)
-    spec = DTensorSpec(dp_mesh, (placement,),
-                       tensor_meta=TensorMeta(shape, _contiguous_strides(shape), flat.dtype))
-    visible = DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[call-arg]
+    shape = torch.Size(sharded.record.shape)
+    spec = DTensorSpec(sharded.dp_mesh, (placement,), tensor_meta=TensorMeta(
+        shape, make_contiguous_strides_for(shape), flat.dtype))
+    visible = DTensor(local, spec, requires_grad=flat.requires_grad)  # type: ignore[call-arg]
     visible._is_param = True  # type: ignore[attr-defined]
     return visible  # type: ignore[return-value]

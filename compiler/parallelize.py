@@ -366,11 +366,7 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
                            local_offset=offset, dp_mesh=mesh.dp_device_mesh,
                            placement=placement)
     if fake_mode is not None:
-        start, local_shape = sharded.local_layout()
-        sharded.visible = fake_visible(
-            fake_mode, flat, start, local_shape, param.requires_grad,
-            mesh.dp_device_mesh if placement != "plain" else None,
-            sharded.dtensor_placement(), shape)
+        sharded.visible = fake_visible(fake_mode, sharded)
     else:
         sharded.visible = nn.Parameter(sharded.wrap(sharded.local_view(flat.detach())),
                                        requires_grad=param.requires_grad)

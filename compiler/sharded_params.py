@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 
 from zeroc.runtime.zero_ops import ParamShard, unshard
 
@@ -124,7 +125,7 @@ class ShardedParam:
 
         shape = torch.Size(self.record.shape)
         return DTensor.from_local(local, self.dp_mesh, [placement], run_check=False,
-                                  shape=shape, stride=_contiguous_strides(shape))
+                                  shape=shape, stride=make_contiguous_strides_for(shape))
 
     def move_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of ``flat``: its gradient goes to the visible parameter.
@@ -140,14 +141,6 @@ class ShardedParam:
             self.visible.grad = incoming
         else:
             self.visible.grad.add_(incoming)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 @dataclasses.dataclass(eq=False)
