@@ -43,7 +43,8 @@ from zeroc.session import CompiledGraph
 
 __all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "FrontBuilt", "PipelineFront",
            "default_microbatches",
-           "front_is_shared", "op_namespace", "pipeline_front", "remember_sources"]
+           "front_is_shared", "op_namespace", "pipeline_front", "remember_sources",
+           "shared_front"]
 
 # In a graph's ``meta``: the Dynamo graph it copies, when a planned world's positions share
 # one trace (``zeroc.plan_capture``) and each gets a copy naming its own process groups.
@@ -193,6 +194,14 @@ def front_is_shared(dynamic_gm: torch.fx.GraphModule) -> bool:
     graph is only a key: the front is taken with the asking position's group name)."""
     shared = PLANNING.shared
     return shared is not None and ("pipeline_front_graph", id(dynamic_gm)) in shared
+
+
+def shared_front() -> PipelineFront | None:
+    """The one pipeline front kept in ``PLANNING.shared`` while a world is planned, if there
+    is exactly one."""
+    shared = PLANNING.shared or {}
+    fronts = [v for k, v in shared.items() if isinstance(k, tuple) and k[0] == "pipeline_front"]
+    return fronts[0] if len(fronts) == 1 else None
 
 
 def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,

@@ -7,10 +7,17 @@ first, in this process (``zeroc.fake_world.share_front``); after it the position
 independent: each makes its own fake process group, parallelizes its own copy of the model,
 compiles the stages it runs and runs its own step. With two or more cores at hand
 ``plan_positions`` forks one helper process, which inherits everything built so far and
-plans the first half of the positions while this process plans the second half; the helper
-sends its ``PositionPlan`` objects back pickled through a file and exits without running
-anything else of this process. Each half compiles one end of the pipeline (the first
-stage's program or the last's) and the middle stages' shared program once.
+plans some of the positions while this process plans the others; the helper sends its
+``PositionPlan`` objects back pickled through a file and exits without running anything else
+of this process.
+
+Which positions go where (``split_positions``): a process compiles each distinct stage program
+it runs once (``zeroc.stage_reuse``) and runs one fake step per position, so positions are
+grouped by the programs they run and the groups divided to even the two processes' estimated
+work, a compile counting ``COMPILE_PER_STEP`` steps of the same program. A Llama cut into 8
+stages has three programs (first, middle, last): the helper takes the two ends, this process
+the six middle positions, and no program is compiled twice; halves would compile the middle
+program in both.
 
 Nothing depends on the helper: if it fails, is killed or takes far longer than this process
 took for its own half, this process plans its positions itself (a genuine error then
@@ -20,6 +27,7 @@ runs the same code on the same inherited state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -29,7 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["plan_positions", "planning_cores"]
+__all__ = ["COMPILE_PER_STEP", "PositionWork", "plan_positions", "planning_cores",
+           "split_positions"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +46,79 @@ log = logging.getLogger(__name__)
 # ``_MIN_WAIT_S``) before it is given up on.
 _WAIT_FACTOR = 4.0
 _MIN_WAIT_S = 120.0
+
+# Compiling a stage program (AOTAutograd's joint graph, the passes, the partition) takes about
+# as long as this many fake training steps of it (measured on the Llama-7B-shaped plan: 4.3 s
+# against 1.2 s).
+COMPILE_PER_STEP = 3.5
+
+# Above this many distinct groups of positions the split is by halves (the search is 2^groups).
+_MAX_GROUPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionWork:
+    """What planning one position costs, in any one unit: the programs it compiles (each
+    paid once per process) and its step."""
+
+    programs: tuple[tuple[Any, float], ...]  # (program key, cost of compiling it)
+    step: float
+
+
+def _cost(chosen: list[int], work: dict[int, PositionWork]) -> float:
+    programs: dict[Any, float] = {}
+    for p in chosen:
+        programs.update(work[p].programs)
+    return sum(programs.values()) + sum(work[p].step for p in chosen)
+
+
+def split_positions(positions: list[int],
+                    work: dict[int, PositionWork] | None) -> tuple[list[int], list[int]]:
+    """(the helper's positions, this process's), both non-empty, in ``positions`` order.
+
+    Positions that run the same programs form a group; every way of giving whole groups to
+    one side, and of dividing one group between the sides, is tried, and the division whose
+    larger estimated cost is least wins (ties: the least total, i.e. the fewer programs
+    compiled twice; then the first found). Without ``work``, or with more than
+    ``_MAX_GROUPS`` groups: halves."""
+    half = (len(positions) + 1) // 2
+    halves = positions[:half], positions[half:]
+    if work is None:
+        return halves
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for p in positions:
+        groups.setdefault(tuple(key for key, _ in work[p].programs), []).append(p)
+    members = list(groups.values())
+    if len(members) > _MAX_GROUPS:
+        return halves
+
+    def score(side: set[int]) -> tuple[float, float]:
+        theirs = [p for p in positions if p in side]
+        mine = [p for p in positions if p not in side]
+        return max(_cost(theirs, work), _cost(mine, work)), _cost(theirs, work) + _cost(
+            mine, work)
+
+    best, best_score = None, None
+    for mask in range(1, 1 << len(members)):
+        whole = [g for i, g in enumerate(members) if mask >> i & 1]
+        candidates = [{p for g in whole for p in g}]
+        for j, group in enumerate(members):  # one group divided: its first k on the side
+            if not mask >> j & 1:
+                others = {p for g in whole for p in g}
+                candidates.extend(others | set(group[:k]) for k in range(1, len(group)))
+        for side in candidates:
+            if not side or len(side) == len(positions):
+                continue
+            value = score(side)
+            if best_score is None or value < best_score:
+                best, best_score = side, value
+    if best is None:
+        return halves
+    theirs = [p for p in positions if p in best]
+    mine = [p for p in positions if p not in best]
+    if positions[0] not in theirs:  # the helper takes the side with the first position
+        theirs, mine = mine, theirs
+    return theirs, mine
 
 
 def planning_cores() -> int:
@@ -94,14 +176,14 @@ def _collect(pid: int, path: str, limit_s: float) -> list[Any] | None:
     return value
 
 
-def plan_positions(plan_one: Callable[[int], Any], positions: list[int]) -> list[Any]:
-    """``[plan_one(p) for p in positions]``; with two cores and at least two positions, the
-    first half planned by a forked helper while this process plans the second half (see the
-    module docstring)."""
+def plan_positions(plan_one: Callable[[int], Any], positions: list[int],
+                   work: dict[int, PositionWork] | None = None) -> list[Any]:
+    """``[plan_one(p) for p in positions]``; with two cores and at least two positions, some
+    planned by a forked helper while this process plans the others (``split_positions``
+    divides them by ``work``; see the module docstring)."""
     if len(positions) < 2 or planning_cores() < 2 or not hasattr(os, "fork"):
         return [plan_one(p) for p in positions]
-    half = (len(positions) + 1) // 2
-    theirs, mine = positions[:half], positions[half:]
+    theirs, mine = split_positions(positions, work)
     handle, path = tempfile.mkstemp(prefix="zeroc-plan-", suffix=".pkl")
     os.close(handle)
     log.info("zeroc: planning positions %s in a helper process, %s here", theirs, mine)
@@ -119,4 +201,5 @@ def plan_positions(plan_one: Callable[[int], Any], positions: list[int]) -> list
     helped = _collect(pid, path, max(_MIN_WAIT_S, _WAIT_FACTOR * elapsed))
     if helped is None or len(helped) != len(theirs):
         helped = [plan_one(p) for p in theirs]
-    return helped + own
+    planned = dict(zip(theirs, helped, strict=True)) | dict(zip(mine, own, strict=True))
+    return [planned[p] for p in positions]

@@ -30,7 +30,7 @@ from zeroc.runtime.pipeline_executor import StageProgram
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.session import CompiledGraph
 
-__all__ = ["StageTemplate", "counts", "find", "keep", "signature"]
+__all__ = ["StageTemplate", "counts", "find", "keep", "signature", "structure"]
 
 
 def _argument(value: Any, index: dict[torch.fx.Node, int]) -> Any:
@@ -52,10 +52,10 @@ def _tensor_key(value: Any) -> Any:
     return repr(value)
 
 
-def signature(split: StageSplit, index: int, args: list[Any]) -> tuple[Any, ...]:
-    """What two stages must share to compile to the same graphs (see the module docstring)."""
-    spec = split.stages[index]
-    gm = spec.gm
+def structure(split: StageSplit, index: int) -> tuple[Any, ...]:
+    """Stage ``index``'s graph as a value: every node's op, target and arguments (nodes by
+    position, constants by value, a ``get_attr`` by its tensor's shape and dtype)."""
+    gm = split.stages[index].gm
     positions: dict[torch.fx.Node, int] = {}
     nodes = []
     for node in gm.graph.nodes:
@@ -70,9 +70,15 @@ def signature(split: StageSplit, index: int, args: list[Any]) -> tuple[Any, ...]
             target = node.target if isinstance(node.target, str) else str(node.target)
         nodes.append((node.op, target, _argument(node.args, positions),
                       _argument(node.kwargs, positions)))
-    return (tuple(nodes), tuple(_tensor_key(a) for a in args), len(spec.param_inputs),
-            len(spec.local_inputs), len(spec.in_keys), len(spec.out_keys),
-            spec.num_model_outputs, tuple(spec.output_requires_grad))
+    return tuple(nodes)
+
+
+def signature(split: StageSplit, index: int, args: list[Any]) -> tuple[Any, ...]:
+    """What two stages must share to compile to the same graphs (see the module docstring)."""
+    spec = split.stages[index]
+    return (structure(split, index), tuple(_tensor_key(a) for a in args),
+            len(spec.param_inputs), len(spec.local_inputs), len(spec.in_keys),
+            len(spec.out_keys), spec.num_model_outputs, tuple(spec.output_requires_grad))
 
 
 @dataclasses.dataclass(frozen=True)

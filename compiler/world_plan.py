@@ -19,9 +19,12 @@ from typing import Any
 
 from torch import nn
 
+from zeroc import stage_reuse
 from zeroc.fake_world import DEVICES, plan_position, share_front
+from zeroc.passes.base import count_nodes
+from zeroc.pipeline_front import shared_front
 from zeroc.plan_capture import SharedTrace
-from zeroc.plan_workers import plan_positions
+from zeroc.plan_workers import COMPILE_PER_STEP, PositionWork, plan_positions, planning_cores
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import MemoryEstimate
@@ -50,6 +53,35 @@ def _check(world: Any, pp: Any, zero: Any, device: Any, hardware: Any) -> None:
         get_profile(hardware)  # raises naming the known profiles
 
 
+def _position_work(pp: int) -> dict[int, PositionWork] | None:
+    """Each position's planning work, estimated from the shared front's stages (their node
+    counts; stages of one structure are one program), or None without a shared front."""
+    front = shared_front()
+    if front is None:
+        return None
+    placement = front.schedule.placement
+    sizes = [count_nodes(spec.gm) for spec in front.split.stages]
+    programs: dict[tuple, int] = {}  # a stage's structure -> a small id of its program
+    ids = [programs.setdefault(stage_reuse.structure(front.split, s), len(programs))
+           for s in range(len(sizes))]
+    work = {}
+    for position in range(pp):
+        stages = [s for s, ranks in enumerate(placement) if position in ranks]
+        work[position] = PositionWork(
+            programs=tuple((ids[s], COMPILE_PER_STEP * sizes[s]) for s in stages),
+            step=sum(sizes[s] / len(placement[s]) for s in stages))
+    return work
+
+
+def _import_before_fork(options: dict | None) -> None:
+    """Import what every process's first stage compile imports, once, before the positions
+    are planned in two processes: the min-cut partitioner's common-subexpression pass loads
+    Inductor's pattern matcher (about 2 s), which each forked process would otherwise import
+    again, both at once."""
+    if planning_cores() >= 2 and (options or {}).get("partitioner", "min_cut") == "min_cut":
+        import torch._inductor.pattern_matcher  # noqa: F401
+
+
 def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1,
                zero: int = 3, device: str = "cuda", hardware: Any = None,
                options: dict | None = None, mixed_precision: Any = None) -> Plan:
@@ -73,7 +105,9 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
         if pp > 1 and trace is not None:
             share_front(model, example_inputs, world=world, pp=pp, zero=zero, device=device,
                         options=options, mixed_precision=mixed_precision, trace=trace)
-        positions = plan_positions(plan_one, list(range(pp)))
+            _import_before_fork(options)
+        positions = plan_positions(plan_one, list(range(pp)),
+                                   _position_work(pp) if pp > 1 else None)
     finally:
         PLANNING.shared = None
     base = positions[0].plan
