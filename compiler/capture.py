@@ -102,8 +102,7 @@ def compile_dynamo_graph(
     """Compile one Dynamo graph; returns the callable Dynamo will run in its place."""
     prefix = f"g{session.next_graph_index()}"
     progress = CompileProgress(log, prefix)
-    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
-                           dynamo_code=graph_text(gm))
+    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs))
     device = _graph_device(example_inputs)
     record.device = str(device)
     log.debug("zeroc: %s: a Dynamo graph of %d nodes on %s", prefix, len(gm.graph.nodes), device)

@@ -167,8 +167,7 @@ def _compile_pipeline(
     loss_output, normalization, names = front.loss_output, front.normalization, list(front.names)
     hoisted, microbatch = front.hoisted, front.microbatch
     pp = layout.pp
-    record = CompiledGraph(prefix=prefix, params=front.param_infos,
-                           dynamo_code=front.dynamo_code, passes=list(front.passes))
+    record = CompiledGraph(prefix=prefix, params=front.param_infos, passes=list(front.passes))
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
     position = layout.mesh.pp_index

@@ -27,13 +27,17 @@ from torch import nn
 
 from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
-from zeroc.passes.base import graph_text
 from zeroc.passes.hoist_unshard import HoistedParam, full_size_inputs, hoist_unshards
 from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.loss_output import LossOutput, keep_loss_output
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.schedule import build_schedule
-from zeroc.passes.specialize_shapes import microbatch_inputs, specialize
+from zeroc.passes.specialize_shapes import (
+    OUTPUTS_ONLY,
+    microbatch_inputs,
+    specialize,
+    specialize_outputs,
+)
 from zeroc.passes.split_stages import StageSplit, split_stages
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.planning_state import PLANNING
@@ -145,7 +149,6 @@ class PipelineFront:
     microbatches: int
     schedule: Schedule
     param_infos: tuple[ParamInfo, ...]
-    dynamo_code: str
     passes: tuple[PassInfo, ...]  # the Dynamo graph's, named ``<prefix>.dynamo``
     normalization: Any
     names: tuple[str, ...]  # every graph input's source name
@@ -221,6 +224,8 @@ def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], c
         front = shared.get(key)
         if front is not None:
             return front.for_group(layout.dp_group_name)
+    if gm is None and PLANNING.simulated:  # see _build: planning runs no full-batch graph
+        gm = specialize_outputs(dynamic_gm, example_inputs)
     if gm is None:
         gm = specialize(dynamic_gm, example_inputs)
     front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm)
@@ -250,23 +255,31 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     except ValueError as error:
         raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
                          f"microbatches={microbatches}: {error}") from None
-    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs),
-                           dynamo_code=graph_text(gm))
+    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs))
     device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
                   torch.device("cpu"))
     microbatch = batch // microbatches
     micro_inputs = None if dynamic_gm is None else microbatch_inputs(
         dynamic_gm, example_inputs, batch_inputs, microbatch)
+    if micro_inputs is None and gm.meta.get(OUTPUTS_ONLY):  # the full-batch graph is needed
+        gm = specialize(dynamic_gm, example_inputs)
+        loss_output = keep_loss_output(gm, params)
     # Stage graphs are always traced for training (a no_grad call runs their forwards only).
     # The full-batch graph gets the passes too, even when the stages come from the
     # micro-batch graph: the loss normalization reads the loss as the passes leave it
-    # (Hugging Face's loss call is only recognised after them).
-    full = run_dynamo_passes(gm, config, record if micro_inputs is None else
-                             CompiledGraph(prefix=prefix, params=(), dynamo_code=""), device,
-                             need_grad=True)
-    # The loss becomes a sum per micro-batch; the step divides once by the whole batch's
-    # denominator (computed from the full-batch inputs).
-    normalization = normalize_loss(full, params, config.loss_reduction)
+    # (Hugging Face's loss call is only recognised after them), and its denominator is
+    # computed from the full-batch inputs. A planned world never computes the denominator
+    # (``zeroc.runtime.pipeline_sync``: there are no values) and reads only the
+    # normalization's kind, which the micro-batch graph, the same nodes at other sizes, gives:
+    # its full-batch graph is a copy that was never run (``specialize_outputs``).
+    normalization = None
+    if not gm.meta.get(OUTPUTS_ONLY):
+        full = run_dynamo_passes(gm, config, record if micro_inputs is None else
+                                 CompiledGraph(prefix=prefix, params=()), device,
+                                 need_grad=True)
+        # The loss becomes a sum per micro-batch; the step divides once by the whole
+        # batch's denominator.
+        normalization = normalize_loss(full, params, config.loss_reduction)
     names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
     if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
         gm, size = full, batch
@@ -274,7 +287,9 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
         gm, size = specialize(dynamic_gm, micro_inputs, costs=True), microbatch
         keep_loss_output(gm, params)
         gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
-        normalize_loss(gm, params, config.loss_reduction)
+        micro = normalize_loss(gm, params, config.loss_reduction)
+        if normalization is None:
+            normalization = dataclasses.replace(micro, denominator=None)
     # ZeRO once per step: the stage graphs read and differentiate full parameters.
     hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
     mgraph = microbatch_graph(gm, full_size_inputs(example_inputs, hoisted), batch_inputs,
@@ -283,6 +298,6 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     return PipelineFront(
         params=frozenset(params), loss_output=loss_output, batch_inputs=frozenset(batch_inputs),
         batch=batch, microbatches=microbatches, schedule=schedule, param_infos=record.params,
-        dynamo_code=record.dynamo_code, passes=tuple(record.passes),
+        passes=tuple(record.passes),
         normalization=normalization, names=tuple(names), hoisted=hoisted, split=split,
         dp_group_name=layout.dp_group_name)

@@ -40,7 +40,6 @@ class CompiledGraph:
 
     prefix: str
     params: tuple[ParamInfo, ...]
-    dynamo_code: str
     device: str = "cpu"
     zero: int = -1  # ZeRO stage of the graph's parameters; -1: not parallelized
     zero_group: str = ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -26,7 +27,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zeroc.passes.base import graph_module
 from zeroc.passes.microbatch_shapes import SPECIALIZED_RUN, CostMode, NodeEstimate, SpecializedRun
 
-__all__ = ["microbatch_inputs", "size_inputs", "specialize"]
+__all__ = ["OUTPUTS_ONLY", "microbatch_inputs", "size_inputs", "specialize",
+           "specialize_outputs"]
+
+# In a graph's ``meta``: set on a ``specialize_outputs`` copy, whose nodes carry no example
+# values but the outputs'.
+OUTPUTS_ONLY = "zeroc_outputs_only"
 
 
 def size_inputs(example_inputs: list[Any]) -> tuple[int, ...]:
@@ -83,6 +89,70 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
             else:
                 value = _run(node, out, args, kwargs)
             values[node.name] = node.meta["example_value"] = value
+    return out
+
+
+def _bindings(placeholders: list[torch.fx.Node], inputs: list[Any]) -> dict[Any, int]:
+    """Each size symbol of a dynamic graph's inputs -> its value in the call ``inputs``."""
+    bound: dict[Any, int] = {}
+    for node, value in zip(placeholders, inputs, strict=False):
+        example = node.meta.get("example_value")
+        if isinstance(example, torch.SymInt) and isinstance(value, (int, torch.SymInt)):
+            if example.node.expr.is_symbol:
+                bound[example.node.expr] = int(value)
+        elif isinstance(example, torch.Tensor) and isinstance(value, torch.Tensor):
+            for size, actual in zip(example.shape, value.shape, strict=False):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                    bound[size.node.expr] = int(actual)
+    return bound
+
+
+def _at_call_sizes(example: Any, bound: dict[Any, int]) -> Any:
+    """A symbolic example value at the call's sizes: a meta tensor of its shape and dtype, or
+    an int; ``None`` when a size is not an integer once the inputs' symbols are bound."""
+    def size(value: Any) -> int | None:
+        if not isinstance(value, torch.SymInt):
+            return int(value)
+        concrete = sympy.sympify(value.node.expr.xreplace(bound))
+        return int(concrete) if concrete.is_Integer else None
+
+    if isinstance(example, torch.Tensor):
+        shape = [size(s) for s in example.shape]
+        if None in shape:
+            return None
+        return torch.empty(shape, dtype=example.dtype, device="meta")
+    if isinstance(example, torch.SymInt):
+        return size(example)
+    if isinstance(example, (bool, int, float)) or example is None:
+        return example
+    return None
+
+
+def specialize_outputs(gm: torch.fx.GraphModule,
+                       inputs: list[Any]) -> torch.fx.GraphModule | None:
+    """``specialize``'s static copy of ``gm`` without running it: its nodes carry no example
+    values but the outputs', each a meta tensor of the shape and dtype the dynamic graph's
+    symbolic value has at the call's sizes (``meta[OUTPUTS_ONLY]`` says so). Enough to read
+    the graph's structure and what it returns; None when an output's size cannot be told
+    from the inputs' sizes."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sizes = {placeholders[i].name: int(inputs[i]) for i in size_inputs(inputs)}
+    bound = _bindings(placeholders, inputs)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = set(output.all_input_nodes)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        copied = graph.node_copy(node, lambda n: sizes.get(n.name, env[n]))
+        copied.meta.pop("example_value", None)  # the dynamic graph's symbolic value
+        if node in returned:
+            value = _at_call_sizes(node.meta.get("example_value"), bound)
+            if value is None:
+                return None
+            copied.meta["example_value"] = value
+        env[node] = copied
+    out = graph_module(gm, graph)
+    out.meta[OUTPUTS_ONLY] = True
     return out
 
 
