@@ -106,8 +106,7 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
             share_front(model, example_inputs, world=world, pp=pp, zero=zero, device=device,
                         options=options, mixed_precision=mixed_precision, trace=trace)
             _import_before_fork(options)
-        positions = plan_positions(plan_one, list(range(pp)),
-                                   _position_work(pp) if pp > 1 else None)
+        positions = plan_positions(plan_one, list(range(pp)), _position_work(pp))
     finally:
         PLANNING.shared = None
     base = positions[0].plan

@@ -51,20 +51,26 @@ def _run(node: torch.fx.Node, gm: torch.fx.GraphModule, args: tuple, kwargs: dic
     return getattr(gm, node.target)
 
 
+def _static_copy(gm: torch.fx.GraphModule, inputs: list[Any]
+                 ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
+    """A copy of ``gm`` with the call's ints in place of every use of its size placeholders
+    (which stay, unused), and each node of ``gm`` -> its copy. Nodes keep ``gm``'s meta."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sizes = {placeholders[i].name: int(inputs[i]) for i in size_inputs(inputs)}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: sizes.get(n.name, env[n]))
+    return graph_module(gm, graph), env  # its code is made if it is ever run
+
+
 def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
                costs: bool = False) -> torch.fx.GraphModule:
     """A static copy of ``gm`` for the call whose (real) graph inputs are ``inputs``.
     ``costs``: also cost every node and keep what its run saw and gave
     (``zeroc.passes.microbatch_shapes.SPECIALIZED_RUN``), which ``microbatch_graph`` reuses
     for the nodes the passes leave as they are."""
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sizes = {placeholders[i].name: int(inputs[i]) for i in size_inputs(inputs)}
-    for node in gm.graph.nodes:
-        copied = graph.node_copy(node, lambda n: sizes.get(n.name, env[n]))
-        env[node] = copied
-    out = graph_module(gm, graph)  # its code is made if it is ever run
+    out, _ = _static_copy(gm, inputs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
     with fake_mode, torch.enable_grad():
@@ -92,19 +98,28 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
     return out
 
 
-def _bindings(placeholders: list[torch.fx.Node], inputs: list[Any]) -> dict[Any, int]:
-    """Each size symbol of a dynamic graph's inputs -> its value in the call ``inputs``."""
-    bound: dict[Any, int] = {}
+def _bindings(placeholders: list[torch.fx.Node], inputs: list[Any]) -> dict[Any, int] | None:
+    """Each size symbol of a dynamic graph's inputs -> its value in the call ``inputs``
+    (``ShapeEnv.bind_symbols``), or None when the inputs do not fit the graph's symbols."""
+    examples, values, shape_env = [], [], None
     for node, value in zip(placeholders, inputs, strict=False):
         example = node.meta.get("example_value")
-        if isinstance(example, torch.SymInt) and isinstance(value, (int, torch.SymInt)):
-            if example.node.expr.is_symbol:
-                bound[example.node.expr] = int(value)
+        if isinstance(example, torch.SymInt):
+            sizes, value = (example,), int(value)
         elif isinstance(example, torch.Tensor) and isinstance(value, torch.Tensor):
-            for size, actual in zip(example.shape, value.shape, strict=False):
-                if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
-                    bound[size.node.expr] = int(actual)
-    return bound
+            sizes = tuple(example.shape)
+        else:
+            continue
+        examples.append(example)
+        values.append(value)
+        symbol = next((s for s in sizes if isinstance(s, torch.SymInt)), None)
+        shape_env = shape_env or (symbol.node.shape_env if symbol is not None else None)
+    if shape_env is None:
+        return {}
+    try:
+        return shape_env.bind_symbols(examples, values)
+    except AssertionError:  # a symbol bound to two values: not this graph's call
+        return None
 
 
 def _at_call_sizes(example: Any, bound: dict[Any, int]) -> Any:
@@ -135,23 +150,19 @@ def specialize_outputs(gm: torch.fx.GraphModule,
     symbolic value has at the call's sizes (``meta[OUTPUTS_ONLY]`` says so). Enough to read
     the graph's structure and what it returns; None when an output's size cannot be told
     from the inputs' sizes."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    sizes = {placeholders[i].name: int(inputs[i]) for i in size_inputs(inputs)}
-    bound = _bindings(placeholders, inputs)
+    bound = _bindings([n for n in gm.graph.nodes if n.op == "placeholder"], inputs)
+    if bound is None:
+        return None
+    out, env = _static_copy(gm, inputs)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     returned = set(output.all_input_nodes)
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, Any] = {}
-    for node in gm.graph.nodes:
-        copied = graph.node_copy(node, lambda n: sizes.get(n.name, env[n]))
+    for node, copied in env.items():
         copied.meta.pop("example_value", None)  # the dynamic graph's symbolic value
         if node in returned:
             value = _at_call_sizes(node.meta.get("example_value"), bound)
             if value is None:
                 return None
             copied.meta["example_value"] = value
-        env[node] = copied
-    out = graph_module(gm, graph)
     out.meta[OUTPUTS_ONLY] = True
     return out
 
