@@ -173,13 +173,31 @@ def _exit_forward(module: nn.Module, args: Any, output: Any) -> None:
 FORWARD_DEPTH_HOOKS = (_enter_forward, _exit_forward)
 
 
+# Each distinct spec by its text. A module holds the text of its parameters' specs, so
+# Dynamo guards one string per parameter (and a reused block region re-checks one) instead
+# of each field of the spec; the text names every field, so equal texts are equal specs.
+_SPECS: dict[str, UnshardSpec] = {}
+
+
+def _spec_key(spec: UnshardSpec) -> str:
+    key = repr(spec)
+    _SPECS.setdefault(key, spec)
+    return key
+
+
+@torch._dynamo.assume_constant_result
+def _spec_of(key: str) -> UnshardSpec:
+    """The spec whose text is ``key`` (a constant to Dynamo: ``key`` is guarded instead)."""
+    return _SPECS[key]
+
+
 def full_weight(module: nn.Module, name: str) -> torch.Tensor:
     """``module.<name>`` gathered in full from its flat buffer (differentiable).
 
     Without gradient synchronisation the gradient goes, unreduced, to the sink; the next
     synchronised use (by the parameter's first owner only, so a tied parameter adds it once)
     adds the sink's accumulated gradient before the reduction."""
-    spec: UnshardSpec = module.__dict__[SPEC_PREFIX + name]
+    spec = _spec_of(module.__dict__[SPEC_PREFIX + name])
     flat = module.__dict__[FLAT_PREFIX + name]
     sink = module.__dict__[SHARD_PREFIX + name].sink
     if sink is not None and not module.__dict__[STATE_ATTR].requires_gradient_sync:
@@ -249,7 +267,7 @@ def install(owners: list[tuple[nn.Module, str]], sharded: ShardedParam) -> None:
     for index, (module, local) in enumerate(owners):
         module._parameters[local] = sharded.visible
         module.__dict__[FLAT_PREFIX + local] = sharded.flat
-        module.__dict__[SPEC_PREFIX + local] = sharded.spec
+        module.__dict__[SPEC_PREFIX + local] = _spec_key(sharded.spec)
         module.__dict__[SHARD_PREFIX + local] = sharded
         module.__dict__[FIRST_PREFIX + local] = index == 0
     setattr(sharded.visible, SHARDED_ATTR, sharded)
