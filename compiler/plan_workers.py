@@ -14,10 +14,10 @@ of this process.
 Which positions go where (``split_positions``): a process compiles each distinct stage program
 it runs once (``zeroc.stage_reuse``) and runs one fake step per position, so positions are
 grouped by the programs they run and the groups divided to even the two processes' estimated
-work, a compile counting ``COMPILE_PER_STEP`` steps of the same program. A Llama cut into 8
-stages has three programs (first, middle, last): the helper takes the two ends, this process
-the six middle positions, and no program is compiled twice; halves would compile the middle
-program in both.
+work: per graph node, a compile weighs ``COMPILE_PER_NODE`` and a step 1 plus
+``STEP_PER_MICROBATCH`` per micro-batch. A Llama cut into 8 stages has three programs (first,
+middle, last): the helper takes the two ends, this process the six middle positions, and no
+program is compiled twice; halves would compile the middle program in both.
 
 Nothing depends on the helper: if it fails, is killed or takes far longer than this process
 took for its own half, this process plans its positions itself (a genuine error then
@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COMPILE_PER_STEP", "PositionWork", "plan_positions", "planning_cores",
-           "split_positions"]
+__all__ = ["COMPILE_PER_NODE", "STEP_PER_MICROBATCH", "PositionWork", "plan_positions",
+           "planning_cores", "split_positions"]
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,14 @@ log = logging.getLogger(__name__)
 _WAIT_FACTOR = 4.0
 _MIN_WAIT_S = 120.0
 
-# Compiling a stage program (AOTAutograd's joint graph, the passes, the partition) takes about
-# as long as this many fake training steps of it (measured on the Llama-7B-shaped plan: 4.3 s
-# against 1.2 s).
-COMPILE_PER_STEP = 3.5
+# What planning a stage costs, in one unit per graph node: compiling its program
+# (AOTAutograd's joint graph, the passes, the partition) ``COMPILE_PER_NODE``, one fake
+# training step ``1 + STEP_PER_MICROBATCH * micro-batches`` (a step runs the stage's graphs
+# once per micro-batch, and parallelizes, steps the optimizer and measures once). Fit to the
+# Llama-shaped plans: 7B at 16 micro-batches (a middle stage's compile 3.8-4.3 s against a
+# 1.2 s step) and 70B at 32 (5.9 s against 2.2 s).
+COMPILE_PER_NODE = 4.6
+STEP_PER_MICROBATCH = 1 / 46
 
 # Above this many distinct groups of positions the split is by halves (the search is 2^groups).
 _MAX_GROUPS = 8

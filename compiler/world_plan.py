@@ -24,7 +24,13 @@ from zeroc.fake_world import DEVICES, plan_position, share_front
 from zeroc.passes.base import count_nodes
 from zeroc.pipeline_front import shared_front
 from zeroc.plan_capture import SharedTrace
-from zeroc.plan_workers import COMPILE_PER_STEP, PositionWork, plan_positions, planning_cores
+from zeroc.plan_workers import (
+    COMPILE_PER_NODE,
+    STEP_PER_MICROBATCH,
+    PositionWork,
+    plan_positions,
+    planning_cores,
+)
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import MemoryEstimate
@@ -64,12 +70,13 @@ def _position_work(pp: int) -> dict[int, PositionWork] | None:
     programs: dict[tuple, int] = {}  # a stage's structure -> a small id of its program
     ids = [programs.setdefault(stage_reuse.structure(front.split, s), len(programs))
            for s in range(len(sizes))]
+    per_step = 1 + STEP_PER_MICROBATCH * front.schedule.num_microbatches
     work = {}
     for position in range(pp):
         stages = [s for s, ranks in enumerate(placement) if position in ranks]
         work[position] = PositionWork(
-            programs=tuple((ids[s], COMPILE_PER_STEP * sizes[s]) for s in stages),
-            step=sum(sizes[s] / len(placement[s]) for s in stages))
+            programs=tuple((ids[s], COMPILE_PER_NODE * sizes[s]) for s in stages),
+            step=sum(per_step * sizes[s] / len(placement[s]) for s in stages))
     return work
 
 

@@ -123,7 +123,8 @@ def _llama_work(pp: int) -> dict[int, PositionWork]:
     work = {}
     for p in range(pp):
         program, size = (0, 120.0) if p == 0 else (2, 130.0) if p == pp - 1 else (1, 100.0)
-        work[p] = PositionWork(((program, plan_workers.COMPILE_PER_STEP * size),), size)
+        step = size * (1 + plan_workers.STEP_PER_MICROBATCH * 2 * pp)
+        work[p] = PositionWork(((program, plan_workers.COMPILE_PER_NODE * size),), step)
     return work
 
 
