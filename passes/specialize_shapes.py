@@ -64,6 +64,35 @@ def _static_copy(gm: torch.fx.GraphModule, inputs: list[Any]
     return graph_module(gm, graph), env  # its code is made if it is ever run
 
 
+def _cost_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """What a node's cost depends on: its target and, for each argument, a tensor's shape,
+    strides, dtype, device and ``requires_grad`` or a plain constant itself; None when an
+    argument is neither (its cost is then measured)."""
+    parts: list[Any] = [target]
+
+    def add(value: Any) -> bool:
+        if isinstance(value, torch.Tensor):
+            parts.append((tuple(value.shape), value.stride(), value.dtype, value.device,
+                          value.requires_grad))
+        elif isinstance(value, (tuple, list)):
+            parts.append((type(value), len(value)))
+            return all(add(v) for v in value)
+        elif isinstance(value, dict):
+            parts.append(tuple(value))
+            return all(add(v) for v in value.values())
+        elif isinstance(value, _PLAIN) and not isinstance(value, torch.SymInt):
+            parts.append((type(value), value))
+        else:
+            return False
+        return True
+
+    return tuple(parts) if add(args) and add(kwargs) else None
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
 def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
                costs: bool = False) -> torch.fx.GraphModule:
     """A static copy of ``gm`` for the call whose (real) graph inputs are ``inputs``.
@@ -73,6 +102,9 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
     out, _ = _static_copy(gm, inputs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
+    # A node costs what an earlier node of the same target and argument metadata cost (a
+    # model's repeated blocks): measured once, its run then goes without the cost meter.
+    measured: dict[tuple, NodeEstimate] = {}
     with fake_mode, torch.enable_grad():
         for node, value in zip((n for n in out.graph.nodes if n.op == "placeholder"), inputs,
                                strict=False):
@@ -87,11 +119,19 @@ def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
             args = torch.fx.node.map_arg(node.args, lambda n: values[n.name])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name])
             if costs and node.op != "get_attr":
-                meter = CostMode()
-                with meter:
+                key = _cost_key(node.target, args, kwargs)
+                cost = measured.get(key) if key is not None else None
+                if cost is None:
+                    meter = CostMode()
+                    with meter:
+                        value = _run(node, out, args, kwargs)
+                    cost = NodeEstimate(meter.flops, meter.bytes)
+                    if key is not None:
+                        measured[key] = cost
+                else:
                     value = _run(node, out, args, kwargs)
-                node.meta[SPECIALIZED_RUN] = SpecializedRun(
-                    node.target, args, kwargs, value, NodeEstimate(meter.flops, meter.bytes))
+                node.meta[SPECIALIZED_RUN] = SpecializedRun(node.target, args, kwargs, value,
+                                                            cost)
             else:
                 value = _run(node, out, args, kwargs)
             values[node.name] = node.meta["example_value"] = value

@@ -119,3 +119,39 @@ def test_a_model_returning_its_logits_too_is_planned_with_full_batch_others() ->
     plan = zeroc.explain(model, (idx, targets), world=2, pp=2, zero=3, device="cpu",
                          options={"schedule": "1f1b", "microbatches": 4})
     assert len(plan.memory) == 2
+
+
+def test_repeated_nodes_are_costed_once_at_the_same_cost() -> None:
+    """``specialize(costs=True)`` meters a node once per target and argument metadata: the
+    GPT's repeated blocks reuse the first block's costs, which equal metering every node."""
+    import zeroc.passes.specialize_shapes as specialize_shapes
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32))
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    gm, symbolic = _dynamic_graph(model, tokens, tokens.clone())
+    inputs = [torch.zeros(2, 16, dtype=torch.long) if isinstance(v, torch.Tensor)
+              and v.dtype == torch.long else 2 if isinstance(v, torch.SymInt) else v
+              for v in symbolic]
+    metered = []
+
+    class Counting(specialize_shapes.CostMode):
+        def __enter__(self):
+            metered.append(self)
+            return super().__enter__()
+
+    def costs(graph):
+        return [(n.name, n.meta[specialize_shapes.SPECIALIZED_RUN].cost)
+                for n in graph.graph.nodes if specialize_shapes.SPECIALIZED_RUN in n.meta]
+
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(specialize_shapes, "CostMode", Counting)
+        reused = costs(specialize(gm, inputs, costs=True))
+        reused_meters = len(metered)
+        metered.clear()
+        mp.setattr(specialize_shapes, "_cost_key", lambda *a: None)
+        every = costs(specialize(gm, inputs, costs=True))
+    finally:
+        mp.undo()
+    assert reused == every and len(metered) == len(every)
+    assert reused_meters < len(every) * 0.6  # blocks 2 and 3 reuse block 1's costs
