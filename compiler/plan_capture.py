@@ -58,7 +58,19 @@ __all__ = ["SharedTrace"]
 log = logging.getLogger(__name__)
 
 class _Traced(Exception):
-    """Raised by the tracing backend's graph: the trace is kept, the call goes no further."""
+    """Raised by the tracing backend once it kept the graph: the trace goes no further."""
+
+
+def _stopped_by_backend(error: BaseException) -> bool:
+    """Whether ``error`` is the tracing backend's ``_Traced`` (Dynamo wraps what a backend
+    raises in ``BackendCompilerFailed``)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, _Traced):
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__
+        seen += 1
+    return False
 
 
 def _places(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple]:
@@ -172,14 +184,11 @@ class SharedTrace:
                     break
             self.places = places
             remember_sources(gm)  # Dynamo drops the inputs' sources once this returns
-
-            def stop(*call_args: Any) -> Any:
-                for index, value in enumerate(call_args):
-                    if isinstance(value, int) and not isinstance(value, bool):
-                        self.sizes[index] = value
-                raise _Traced
-
-            return stop
+            for index, value in enumerate(example_inputs):
+                if isinstance(value, torch.SymInt):
+                    self.sizes[index] = int(value.node.hint)  # the traced call's size
+            # Stop here: Dynamo then builds no guards for a frame that never runs again.
+            raise _Traced
 
         return keep
 
@@ -195,9 +204,9 @@ class SharedTrace:
         try:
             with _without_forward_depth_hooks(model), marking:
                 traced(*args, **kwargs)
-        except _Traced:
-            pass  # the backend kept the graph and stopped the call, as intended
         except Exception as error:  # noqa: BLE001 (any failure: trace per position instead)
+            if _stopped_by_backend(error):
+                return True  # the backend kept the graph and stopped the trace, as intended
             log.debug("zeroc: shared trace%s failed (%s)", " with block regions" if regions
                       else "", str(error).splitlines()[0] if str(error) else type(error).__name__)
             self.graphs = 0
