@@ -63,14 +63,9 @@ class _Traced(Exception):
 
 def _stopped_by_backend(error: BaseException) -> bool:
     """Whether ``error`` is the tracing backend's ``_Traced`` (Dynamo wraps what a backend
-    raises in ``BackendCompilerFailed``)."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, _Traced):
-            return True
-        error = getattr(error, "inner_exception", None) or error.__cause__
-        seen += 1
-    return False
+    raises in ``BackendCompilerFailed``, keeping it as ``inner_exception``)."""
+    return isinstance(error, _Traced) or isinstance(
+        getattr(error, "inner_exception", None), _Traced)
 
 
 def _places(model: nn.Module, args: tuple, kwargs: dict) -> dict[int, tuple]:

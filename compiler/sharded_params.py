@@ -180,6 +180,7 @@ _SPECS: dict[str, UnshardSpec] = {}
 
 
 def _spec_key(spec: UnshardSpec) -> str:
+    """``spec``'s text, under which ``_spec_of`` finds it."""
     key = repr(spec)
     _SPECS.setdefault(key, spec)
     return key

@@ -282,7 +282,8 @@ def _same_tensor_meta(prior: Any, fake: torch.Tensor) -> bool:
             and prior.device == fake.device and prior.requires_grad == fake.requires_grad)
 
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+# Argument types compared (and keyed) by value, not identity.
+PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format)
 
 
@@ -295,7 +296,7 @@ def _same(recorded: Any, current: Any) -> bool:
     if isinstance(recorded, dict) and isinstance(current, dict):
         return recorded.keys() == current.keys() and all(
             _same(recorded[k], current[k]) for k in recorded)
-    if isinstance(recorded, _PLAIN) and not isinstance(recorded, torch.SymInt):
+    if isinstance(recorded, PLAIN_TYPES) and not isinstance(recorded, torch.SymInt):
         return type(recorded) is type(current) and recorded == current
     if isinstance(recorded, slice) and isinstance(current, slice):
         return _same((recorded.start, recorded.stop, recorded.step),

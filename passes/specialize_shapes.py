@@ -25,7 +25,13 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.passes.base import graph_module
-from zeroc.passes.microbatch_shapes import SPECIALIZED_RUN, CostMode, NodeEstimate, SpecializedRun
+from zeroc.passes.microbatch_shapes import (
+    PLAIN_TYPES,
+    SPECIALIZED_RUN,
+    CostMode,
+    NodeEstimate,
+    SpecializedRun,
+)
 
 __all__ = ["OUTPUTS_ONLY", "microbatch_inputs", "size_inputs", "specialize",
            "specialize_outputs"]
@@ -80,17 +86,13 @@ def _cost_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
         elif isinstance(value, dict):
             parts.append(tuple(value))
             return all(add(v) for v in value.values())
-        elif isinstance(value, _PLAIN) and not isinstance(value, torch.SymInt):
+        elif isinstance(value, PLAIN_TYPES) and not isinstance(value, torch.SymInt):
             parts.append((type(value), value))
         else:
             return False
         return True
 
     return tuple(parts) if add(args) and add(kwargs) else None
-
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format)
 
 
 def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
