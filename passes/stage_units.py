@@ -16,6 +16,7 @@ rotary table built in ``LlamaModel.forward``) has no unit and runs with its inpu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable
 
@@ -24,6 +25,7 @@ import torch.fx
 __all__ = ["BlockLayout", "find_blocks", "module_stack"]
 
 
+@functools.lru_cache(maxsize=4096)  # a model's few hundred paths, read once per node
 def _normalize(path: str) -> str:
     path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"^L\['fn'\]\.?", "", path)
