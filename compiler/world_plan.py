@@ -28,6 +28,7 @@ from zeroc.plan_workers import (
     COMPILE_PER_NODE,
     STEP_PER_MICROBATCH,
     PositionWork,
+    full_collections_deferred,
     plan_positions,
     planning_cores,
 )
@@ -108,12 +109,15 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
             model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
             device=device, options=options, mixed_precision=mixed_precision, trace=trace)
 
-    try:  # what the positions share first; then the positions, on two cores where there are
-        if pp > 1 and trace is not None:
-            share_front(model, example_inputs, world=world, pp=pp, zero=zero, device=device,
-                        options=options, mixed_precision=mixed_precision, trace=trace)
-            _import_before_fork(options)
-        positions = plan_positions(plan_one, list(range(pp)), _position_work(pp))
+    # What the positions share first; then the positions, on two cores where there are.
+    try:
+        with full_collections_deferred():
+            if pp > 1 and trace is not None:
+                share_front(model, example_inputs, world=world, pp=pp, zero=zero,
+                            device=device, options=options, mixed_precision=mixed_precision,
+                            trace=trace)
+                _import_before_fork(options)
+            positions = plan_positions(plan_one, list(range(pp)), _position_work(pp))
     finally:
         PLANNING.shared = None
     base = positions[0].plan

@@ -162,3 +162,30 @@ def test_plans_come_back_in_position_order_from_a_split_that_is_not_halves(
                                           list(range(8)), _llama_work(8))
     assert [p for p, _ in planned] == list(range(8))
     assert [p for p, here in planned if not here] == [0, 7]  # the helper's share
+
+
+def test_planning_defers_only_full_collections_and_restores_the_thresholds(
+        monkeypatch) -> None:
+    import gc
+
+    before = gc.get_threshold()
+    seen = []
+    plan_position = world_plan.plan_position
+
+    def spy(*args, **kwargs):
+        seen.append(gc.get_threshold())
+        return plan_position(*args, **kwargs)
+
+    monkeypatch.setattr(world_plan, "plan_position", spy)
+    monkeypatch.setattr(plan_workers, "planning_cores", lambda: 1)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    zeroc.explain(_model(), (tokens, tokens), world=8, pp=4, zero=3, device="cpu",
+                  options={"schedule": "1f1b", "microbatches": 8})
+    assert len(seen) == 4
+    for thresholds in seen:  # young collections as before; no full one while planning
+        assert thresholds[:2] == before[:2]
+        assert thresholds[2] >= plan_workers._DEFERRED_FULL_THRESHOLD
+    assert gc.get_threshold() == before
+    with pytest.raises(RuntimeError), plan_workers.full_collections_deferred():
+        raise RuntimeError("a failed plan")
+    assert gc.get_threshold() == before
