@@ -27,6 +27,7 @@ the blocks one by one as before.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import operator
@@ -198,14 +199,8 @@ def _check_own_inputs(call: torch.fx.Node, operands: list[Any], call_stack: dict
 def _resolver(model: nn.Module | None) -> Any:
     """``path -> str(id(module))`` for a Dynamo module path of ``model`` (as Dynamo keys a
     flat trace's stacks), or ``None`` where the path does not resolve."""
-    known: dict[str, str | None] = {}  # a 32-layer model names a few hundred paths, each often
-
+    @functools.cache  # a 32-layer model names a few hundred paths, each many times
     def key(path: str) -> str | None:
-        if path not in known:
-            known[path] = _key(path)
-        return known[path]
-
-    def _key(path: str) -> str | None:
         dotted = _module_path(path) if model is not None else None
         if dotted is None:
             return None

@@ -146,11 +146,8 @@ def full_collections_deferred() -> Iterator[None]:
     """Run only the cyclic collector's young collections inside the block (see the module
     docstring); the thresholds the caller had are back afterwards, also on an error."""
     thresholds = gc.get_threshold()
-    if len(thresholds) < 3:  # a collector without a separate oldest generation
-        yield
-        return
-    gc.set_threshold(*thresholds[:2], max(thresholds[2], _DEFERRED_FULL_THRESHOLD),
-                     *thresholds[3:])
+    young, middle, full = thresholds
+    gc.set_threshold(young, middle, max(full, _DEFERRED_FULL_THRESHOLD))
     try:
         yield
     finally:

@@ -284,7 +284,7 @@ def _same_tensor_meta(prior: Any, fake: torch.Tensor) -> bool:
 
 # Argument types compared (and keyed) by value, not identity.
 PLAIN_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-          torch.memory_format)
+               torch.memory_format)
 
 
 def _same(recorded: Any, current: Any) -> bool:

@@ -121,7 +121,7 @@ def test_a_model_returning_its_logits_too_is_planned_with_full_batch_others() ->
     assert len(plan.memory) == 2
 
 
-def test_repeated_nodes_are_costed_once_at_the_same_cost() -> None:
+def test_repeated_nodes_are_costed_once_at_the_same_cost(monkeypatch) -> None:
     """``specialize(costs=True)`` meters a node once per target and argument metadata: the
     GPT's repeated blocks reuse the first block's costs, which equal metering every node."""
     import zeroc.passes.specialize_shapes as specialize_shapes
@@ -143,15 +143,11 @@ def test_repeated_nodes_are_costed_once_at_the_same_cost() -> None:
         return [(n.name, n.meta[specialize_shapes.SPECIALIZED_RUN].cost)
                 for n in graph.graph.nodes if specialize_shapes.SPECIALIZED_RUN in n.meta]
 
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(specialize_shapes, "CostMode", Counting)
-        reused = costs(specialize(gm, inputs, costs=True))
-        reused_meters = len(metered)
-        metered.clear()
-        mp.setattr(specialize_shapes, "_cost_key", lambda *a: None)
-        every = costs(specialize(gm, inputs, costs=True))
-    finally:
-        mp.undo()
+    monkeypatch.setattr(specialize_shapes, "CostMode", Counting)
+    reused = costs(specialize(gm, inputs, costs=True))
+    reused_meters = len(metered)
+    metered.clear()
+    monkeypatch.setattr(specialize_shapes, "_cost_key", lambda *a: None)
+    every = costs(specialize(gm, inputs, costs=True))
     assert reused == every and len(metered) == len(every)
     assert reused_meters < len(every) * 0.6  # blocks 2 and 3 reuse block 1's costs
