@@ -34,6 +34,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten
 
+from zeroc.passes.dead_code import has_effect
+
 __all__ = ["LossNormalization", "normalize_loss", "LossReductionError"]
 
 _CROSS_ENTROPY = {F.cross_entropy, F.nll_loss}
@@ -221,6 +223,6 @@ def normalize_loss(gm: torch.fx.GraphModule, param_indices: set[int],
             "sum / count, or pass options={'loss_reduction': 'sum'} (the loss is a sum over "
             "samples) or {'loss_reduction': 'mean'} (average the micro-batches' losses)"
         )
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=has_effect)  # keeps in-place writes
     gm.recompile()
     return LossNormalization(*found)
