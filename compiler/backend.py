@@ -16,6 +16,7 @@ import torch.fx
 from zeroc.capture import compile_dynamo_graph
 from zeroc.config import Config, pipeline_options_in
 from zeroc.errors import OptionError, passthrough
+from zeroc.grad_coverage import MissingGradientError
 from zeroc.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
 from zeroc.runtime.consistency import PlanMismatchError
 from zeroc.runtime.shutdown import drop_captured_groups
@@ -48,7 +49,7 @@ def zeroc_backend(
             return compile_pipeline(gm, example_inputs, config, session, layout)
         _warn_unused_pipeline_options(example_inputs, options)
         return compile_dynamo_graph(gm, example_inputs, config, session)
-    except (OptionError, PipelineError, PlanMismatchError) as error:
+    except (OptionError, PipelineError, PlanMismatchError, MissingGradientError) as error:
         raise passthrough(error) from None
 
 

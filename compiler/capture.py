@@ -23,6 +23,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 
 from zeroc.codegen.inductor_graphs import InductorGraph, inductor_decompositions, kernel_path
 from zeroc.config import Config
+from zeroc.grad_coverage import check_covered, differentiated_inputs
 from zeroc.log_setup import CompileProgress, decisions
 from zeroc.passes.base import PassContext, count_nodes, graph_text, pass_infos, run_passes
 from zeroc.passes.decompositions import decomposition_table
@@ -111,6 +112,8 @@ def compile_dynamo_graph(
     layout = next((v._zeroc_layout for v in example_inputs if hasattr(v, "_zeroc_layout")), None)
     record.layout = layout
     session.add(record)
+    # What eager's backward would reach, read before any zeroc pass can change the graph.
+    expected, param_names = _trainable(gm, example_inputs)
     gm = run_dynamo_passes(gm, config, record, device)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
@@ -121,6 +124,7 @@ def compile_dynamo_graph(
         record.passes.extend(pass_infos(pass_records))
         record.joint = graph_info(joint, name, "joint", graph_text(joint))
         record.num_fwd_outputs = num_fwd_outputs
+        _check_joint_gradients(joint, num_fwd_outputs, expected, param_names, prefix)
         if config.partitioner == "min_cut":
             return min_cut_rematerialization_partition(
                 joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -189,6 +193,32 @@ def compile_dynamo_graph(
                         else decomposition_table(path)),
     )
     return backend(gm, example_inputs)
+
+
+def _trainable(gm: torch.fx.GraphModule,
+               example_inputs: list[Any]) -> tuple[frozenset[int] | None, dict[int, str]]:
+    """The trainable parameters eager's backward reaches (``zeroc.grad_coverage``), by
+    placeholder index, and every trainable parameter's readable name."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = {i: source_name(n) for i, (n, v) in enumerate(zip(placeholders, example_inputs,
+                                                                 strict=False))
+             if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+    return differentiated_inputs(gm), names
+
+
+def _check_joint_gradients(joint: torch.fx.GraphModule, num_fwd_outputs: int,
+                           expected: frozenset[int] | None, names: dict[int, str],
+                           prefix: str) -> None:
+    """Every parameter eager's backward reaches has a gradient output in the joint graph
+    (its outputs: the forward's, then one gradient or ``None`` per primal input)."""
+    primals = sum(1 for n in joint.graph.nodes
+                  if n.op == "placeholder" and n.name.startswith("primals"))
+    output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    grads = list(output.args[0])[num_fwd_outputs:]
+    if len(grads) != primals:  # inputs AOTAutograd merged or split: no position to read
+        return
+    produced = {i: grads[i] is not None for i in names}
+    check_covered(expected, produced, names, {i: f"graph {prefix}" for i in names})
 
 
 def _release_metadata(graph: torch.fx.GraphModule) -> None:

@@ -36,6 +36,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from zeroc import stage_reuse
 from zeroc.codegen.inductor_graphs import inductor_decompositions, kernel_path
 from zeroc.config import Config
+from zeroc.grad_coverage import check_stages
 from zeroc.log_setup import CompileProgress, decisions
 from zeroc.passes.base import PassContext, graph_module, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
@@ -193,6 +194,11 @@ def _compile_pipeline(
         if log.isEnabledFor(logging.DEBUG):
             log.debug("zeroc: %s.s%d compiled in %.2f s: %s", prefix, s, progress.lap(),
                       decisions(p for p in record.passes if p.graph.startswith(f"{prefix}.s{s}.")))
+    # Parameters whose every reader's backward returns no gradient (read under no_grad, or
+    # only through integer ops): they get none, as in eager, instead of zeros.
+    without_gradient = check_stages(
+        front.split.stages, programs, front.differentiated,
+        {i: names[i] for i in params if real_inputs[i].requires_grad})
     if any(a.kind is ActionKind.FB for a in schedule.actions[position]):
         for a in schedule.actions[position]:
             if a.kind is ActionKind.FB and a.b_stage not in programs[a.stage].overlapped:
@@ -254,7 +260,8 @@ def _compile_pipeline(
         position_params=position_params,
         stage_param_names={s.index: tuple(_param_name(example_inputs[i])
                                           for i in s.param_inputs) for s in split.stages})
-    grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad))
+    grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad
+                               and i not in without_gradient))
     if log.isEnabledFor(logging.INFO):
         log.info("zeroc: %s compiled in %.2f s (%s kernels): pipeline of %d stages, s%s on this "
                  "rank (position %d of %d); schedule %s, %d micro-batches of %d, %d actions "

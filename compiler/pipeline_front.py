@@ -24,9 +24,11 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
+from zeroc.grad_coverage import differentiated_inputs
 from zeroc.passes.hoist_unshard import HoistedParam, full_size_inputs, hoist_unshards
 from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.loss_output import LossOutput, keep_loss_output
@@ -155,6 +157,9 @@ class PipelineFront:
     hoisted: dict[int, HoistedParam]
     split: StageSplit
     dp_group_name: str  # the group ``hoisted`` gathers over
+    # Trainable parameters eager's ``loss.backward()`` reaches (``zeroc.grad_coverage``);
+    # None: Dynamo left no autograd metadata to read.
+    differentiated: frozenset[int] | None = None
 
     @property
     def microbatch(self) -> int:
@@ -241,6 +246,7 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
     _check_one_graph(gm, layout, params)
     loss_output = keep_loss_output(gm, params)
+    differentiated = _differentiated(gm, dynamic_gm, loss_output)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
@@ -300,4 +306,16 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
         batch=batch, microbatches=microbatches, schedule=schedule, param_infos=record.params,
         passes=tuple(record.passes),
         normalization=normalization, names=tuple(names), hoisted=hoisted, split=split,
-        dp_group_name=layout.dp_group_name)
+        dp_group_name=layout.dp_group_name, differentiated=differentiated)
+
+
+def _differentiated(gm: torch.fx.GraphModule, dynamic_gm: torch.fx.GraphModule | None,
+                    loss_output: LossOutput) -> frozenset[int] | None:
+    """The inputs eager's backward from the loss reaches, read from the graph as Dynamo
+    traced it (``gm`` now returns the loss alone; ``dynamic_gm``, if given, is unchanged)."""
+    if dynamic_gm is None:
+        return differentiated_inputs(gm)
+    output = next(n for n in dynamic_gm.graph.nodes if n.op == "output")
+    if len(tree_flatten(output.args[0])[0]) != loss_output.count:
+        return None
+    return differentiated_inputs(dynamic_gm, [loss_output.index])

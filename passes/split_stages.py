@@ -23,6 +23,12 @@ every stage in between: ``messages[s]`` lists what stage ``s`` sends to ``s + 1`
 graph takes ``(parameters..., local inputs..., received values...)`` - its parameters and local
 inputs in the Dynamo graph's placeholder order - and returns ``(values it produces that later
 stages need..., model outputs...)``, the model outputs only on the last stage.
+
+Grad mode. A ``with torch.no_grad():`` region is two ``torch._C._set_grad_enabled`` calls in
+the Dynamo graph that nothing reads; the nodes between them are computed without gradient.
+Each stage graph re-emits the switches around the nodes it copies, so a value recomputed in
+another stage, or a region cut by a stage boundary, keeps the grad mode it was traced in
+(without them a parameter read only under ``no_grad`` would get a gradient eager never gives).
 """
 
 from __future__ import annotations
@@ -255,6 +261,17 @@ def _mutators(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
     return writers
 
 
+def _grad_modes(gm: torch.fx.GraphModule) -> dict[str, bool]:
+    """The grad mode each node of ``gm`` was traced in (the graph starts with gradients on)."""
+    modes: dict[str, bool] = {}
+    enabled = True
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        modes[node.name] = enabled
+    return modes
+
+
 def _storage(value: Any) -> Any:
     try:
         return StorageWeakRef(value.untyped_storage())
@@ -328,10 +345,16 @@ def _stage_graph(
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
     flops = moved = activation = 0
+    modes, enabled = _grad_modes(gm), True
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or node in env:
             continue
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            continue  # re-emitted below where the copied nodes need a switch
         if stage.get(node.name) == k or (node.name in needed and node.name not in stage):
+            if modes[node.name] != enabled:
+                enabled = modes[node.name]
+                graph.call_function(torch._C._set_grad_enabled, (enabled,))
             env[node] = graph.node_copy(node, lambda n: env[n])
             estimate = mgraph.costs.get(node.name)
             if estimate is not None:
@@ -339,6 +362,8 @@ def _stage_graph(
                 moved += estimate.bytes
             if node.name in mgraph.batch_dependent:
                 activation += _nbytes(mgraph.values.get(node.name))
+    if not enabled:
+        graph.call_function(torch._C._set_grad_enabled, (True,))
     by_name = {n.name: n for n in gm.graph.nodes}
     outputs = [by_name[key] for key in out_keys] + list(results)
     stage_inputs = [placeholders[i] for i in (*params, *locals_)] + received
