@@ -65,3 +65,61 @@ def assert_tensors_match(
             atol=atol,
             msg=lambda m, n=name: f"{what} {n}: {m}",
         )
+
+
+def _full(grad: torch.Tensor | None) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    full_tensor = getattr(grad, "full_tensor", None)
+    return (full_tensor() if callable(full_tensor) else grad).detach().clone()
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient by name, ``None`` where it has none; a DTensor's in full.
+
+    A pipeline rank releases the parameters of other ranks' stages: those are left out (see
+    ``merge_held``), so a missing gradient on a held parameter still shows as ``None``.
+    """
+    from zeroc.sharded_params import sharded_of
+
+    out = {}
+    for name, param in model.named_parameters():
+        sharded = sharded_of(param)
+        if sharded is not None and not sharded.held:
+            continue
+        out[name] = _full(param.grad)
+    return out
+
+
+def merge_held(per_rank: list[dict[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
+    """One gradient per parameter from the ranks' ``gradients``: a parameter held by several
+    ranks (a tied one, a data-parallel replica) has the same gradient on each, so the first
+    one that has a gradient stands for all."""
+    merged: dict[str, torch.Tensor | None] = {}
+    for grads in per_rank:
+        for name, grad in grads.items():
+            if merged.get(name) is None:
+                merged[name] = grad
+    return merged
+
+
+def assert_gradients_match(eager: dict[str, torch.Tensor | None],
+                           compiled: dict[str, torch.Tensor | None], what: str,
+                           rtol: float = RTOL, atol: float | None = None) -> None:
+    """The same parameters have a gradient as in eager, and each gradient equals eager's.
+
+    A parameter eager gives a gradient and the compiled run does not (or the reverse) fails
+    with its name, before any value is compared. ``atol``: absolute tolerance (default:
+    ``rtol`` of the gradient's largest magnitude, at least ``rtol``).
+    """
+    assert eager.keys() == compiled.keys(), (
+        f"{what}: parameters differ: {sorted(eager.keys() ^ compiled.keys())}")
+    present = {n for n, g in eager.items() if g is not None}
+    got = {n for n, g in compiled.items() if g is not None}
+    assert present == got, (f"{what}: gradient only in eager: {sorted(present - got)}; "
+                            f"only compiled: {sorted(got - present)}")
+    for name in sorted(present):
+        expected, actual = eager[name], compiled[name]
+        tolerance = atol if atol is not None else rtol * max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=tolerance,
+                                   msg=lambda m, n=name: f"{what} grad {n}: {m}")

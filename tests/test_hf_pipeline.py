@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import run_ranks
+from parity import assert_gradients_match, gradients, merge_held
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,8 +56,7 @@ def gradients_job(rank: int, world: int, names: tuple[str, ...]) -> dict:
         model, compiled = _pipelined(name, 4, False, world, "1f1b")
         loss = _loss(compiled, False, *token_batch())
         loss.backward()
-        out[name] = {"loss": loss.item(), "grads": {
-            n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+        out[name] = {"loss": loss.item(), "grads": gradients(model)}
     return out
 
 
@@ -88,7 +88,7 @@ def _eager_gradients(name: str) -> tuple[float, dict]:
     model = _model(name, 4, False)
     loss = _loss(model, False, *token_batch())
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), gradients(model)
 
 
 def _eager_training(name: str, direct: bool) -> tuple[list[float], dict]:
@@ -104,11 +104,8 @@ def test_ten_architectures_pipeline_at_pp2_equal_eager() -> None:
         loss, grads = _eager_gradients(name)
         assert ranks[0][name]["loss"] == pytest.approx(loss, rel=1e-5), name
         assert ranks[1][name]["loss"] == ranks[0][name]["loss"], name
-        held = {**ranks[0][name]["grads"], **ranks[1][name]["grads"]}
-        assert set(held) == set(grads), (name, set(grads) ^ set(held))
-        for param, grad in grads.items():
-            torch.testing.assert_close(held[param], grad, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, p=param, n=name: f"{n} {p}: {m}")
+        held = merge_held([rank[name]["grads"] for rank in ranks])
+        assert_gradients_match(grads, held, name, rtol=1e-4, atol=1e-5)
 
 
 def _check_training(ranks: list[dict], cases: tuple) -> None:

@@ -19,7 +19,7 @@ import torch
 from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
-from parity import ADAM, assert_tensors_match
+from parity import ADAM, assert_gradients_match, assert_tensors_match, gradients
 
 STEPS, BATCH = 3, 8
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
@@ -94,12 +94,10 @@ def train_cases(rank: int, world: int, pp: int, zero: int, cases, extras: bool):
                 out["no_grad_loss"] = compiled(x, y).item()
             half = compiled(x, y)
             (0.5 * half).backward()
-            out["half_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
-                                 if p.grad is not None}
+            out["half_grads"] = gradients(model)
             optimizer.zero_grad()
             compiled(x, y).backward()
-            out["full_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
-                                 if p.grad is not None}
+            out["full_grads"] = gradients(model)
         results.append(out)
     return results
 
@@ -159,8 +157,9 @@ def test_pp2_dp2_zero3_dualpipev_plan_and_trace() -> None:
     first = results[0][0]
     mean = sum(results[d][0]["no_grad_loss"] for d in range(2)) / 2
     assert mean == pytest.approx(final, rel=1e-5)
-    for name, grad in first["full_grads"].items():
-        torch.testing.assert_close(first["half_grads"][name], 0.5 * grad)
+    assert_gradients_match({n: None if g is None else 0.5 * g
+                            for n, g in first["full_grads"].items()}, first["half_grads"],
+                           "(0.5 * loss).backward()")
     text = first["plan"]
     assert "mesh pp=2 x dp=2, zero 3, schedule dualpipev" in text
     # The grid is drawn with the stage costs measured in the step that ran; the cells' widths
