@@ -46,7 +46,8 @@ def differentiated_inputs(gm: torch.fx.GraphModule,
     """Indices of ``gm``'s placeholders that eager's backward from its outputs reaches.
 
     ``outputs``: positions among the flattened outputs to start from (default: every output
-    that requires a gradient). ``None`` when the graph's autograd metadata is not its own:
+    that requires a gradient). ``None`` when no output requires a gradient (traced under
+    ``no_grad``: there is no reference) or the graph's autograd metadata is not its own:
     none left (a graph built by hand, or released), or a walk that reaches a leaf that is not
     one of its placeholders (a copy whose values were traced elsewhere, as a planned world's
     inlined block regions are): nothing is checked then.
@@ -63,6 +64,8 @@ def differentiated_inputs(gm: torch.fx.GraphModule,
     if any(isinstance(flat[i], torch.fx.Node) and r is None for i, r in zip(chosen, roots,
                                                                              strict=True)):
         return None
+    if not any(isinstance(r, torch.Tensor) and r.requires_grad for r in roots):
+        return None  # traced under no_grad (a pipeline still compiles its training graphs)
     stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
     seen: set[int] = set()
     reached: set[int] = set()

@@ -68,6 +68,7 @@ from zeroc.runtime.zero_ops import (
     shard_of,
 )
 from zeroc.sharded_params import (
+    STATE_ATTR,
     ShardedParam,
     UnshardSpec,
     ZeroState,
@@ -264,7 +265,7 @@ def parallelize(
             entries[id(param)][2].append((module, local))
             entries[id(param)][3].append(_join(path, local))
             modules.setdefault(module, []).append(local)
-    state = ZeroState(params=[])
+    state = ZeroState(params=[], pp=mesh_.pp)
     for _, sharded, owners, known_as in entries.values():
         sharded.record = dataclasses.replace(
             sharded.record, name=known_as[0], param_name=known_as[0],
@@ -275,6 +276,9 @@ def parallelize(
     if zero == 1:
         ensure_step_hook()
     if mesh_.pp > 1:
+        from zeroc.pipeline_clip import register
+
+        register(state)  # torch's clip_grad_norm_ gives the whole pipeline's norm
         ignore_model_logging()
         model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
         install_state_dict_hooks(model, deferred)  # a rank saves only the stages it holds
@@ -297,6 +301,7 @@ def parallelize(
         setattr(sharded.flat, LAYOUT_ATTR, layout)
         setattr(sharded.flat, PARAM_ATTR, sharded.record)
         setattr(sharded.flat, FLAT_SHARDED_ATTR, sharded)
+        setattr(sharded.flat, STATE_ATTR, state)  # a pipelined step reads the sync switch
     return model
 
 

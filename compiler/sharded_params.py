@@ -27,7 +27,10 @@ forward adds a zero-stride "sink" of the full shape to each gathered weight and 
 detached buffer, so the backward reduces nothing and the sink's ``.grad`` sums the full local
 gradients (the full-size gradient memory FSDP2's no-sync also holds). The next synchronised
 step passes that sum to ``zeroc::unshard`` as ``pending``; its backward adds it to the step's
-gradient before the one reduction, so k micro-steps cost one reduction per bucket.
+gradient before the one reduction, so k micro-steps cost one reduction per bucket. A pipeline
+(``pp > 1``) never opens sinks, so its graphs are the same with and without sync: the
+pipelined step reads the switch when it runs and keeps its own pending sums
+(``ZeroState.pipeline_pending``, see ``zeroc.pipelined_step``).
 
 ZeRO-1 keeps whole parameters and whole gradients; the visible DTensor covers this rank's rows
 of them, so the optimizer holds state for those rows only, and after ``optimizer.step()`` one
@@ -149,6 +152,15 @@ class ZeroState:
 
     params: list[ShardedParam]
     requires_gradient_sync: bool = True
+    # Pipeline positions (``parallelize``'s pp). With pp > 1 no sink is opened.
+    pp: int = 1
+    # pp > 1: unsynchronised gradients of pipelined steps, by ``id`` of the flat buffer (the
+    # graph input), summed and already scaled by each step's seeded gradient; and whether a
+    # pipelined step ran without sync since the last synchronised one (the same on every rank,
+    # as every rank runs the same loop: the next synchronised step then reduces in its
+    # backward, where the seeded gradient is known). See ``zeroc.pipelined_step``.
+    pipeline_pending: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    pipeline_accumulating: bool = False
 
 
 class _ForwardDepth(threading.local):
@@ -301,7 +313,9 @@ def set_requires_gradient_sync(state: ZeroState, requires_gradient_sync: bool) -
     """Turn gradient reduction off (accumulate locally) or back on (the next backward reduces
     this step's and every accumulated gradient)."""
     state.requires_gradient_sync = bool(requires_gradient_sync)
-    if not requires_gradient_sync:
+    # A pipeline runs its backward inside the compiled call: it reads the switch at run time
+    # (``zeroc.pipelined_step``) and its graphs must not depend on it.
+    if not requires_gradient_sync and state.pp == 1:
         for sharded in state.params:
             sharded.open_sink()
 

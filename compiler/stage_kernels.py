@@ -22,7 +22,7 @@ import torch.fx
 
 from zeroc.codegen.inductor_graphs import InductorGraph
 from zeroc.passes.overlap_fb import OverlappedGraph
-from zeroc.runtime.pipeline_executor import StageProgram
+from zeroc.runtime.pipeline_program import StageProgram
 from zeroc.session import CompiledGraph
 
 __all__ = ["LazyInductorGraph", "compile_stages_with_inductor"]

@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from zeroc.passes.split_stages import StageSplit
-from zeroc.runtime.pipeline_executor import StageProgram
+from zeroc.runtime.pipeline_program import StageProgram
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.session import CompiledGraph
 

@@ -5,26 +5,25 @@
   gradient: each rank accumulates its full local gradients. The first backward after sync is
   turned back on reduces them together with its own, one reduction per bucket, so k
   micro-steps give the gradient of the concatenated batch.
-- ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` already returns the global
-  norm for ``pp == 1``: the gradients are DTensors on the data-parallel mesh. With ``pp > 1``
-  each pipeline position holds only its stages' gradients, so ``zeroc.clip_grad_norm_(model,
-  max_norm)`` adds the positions' norms over the pipeline group (a parameter held by two
-  positions, as DualPipe's, is counted once) and clips every rank by the same factor.
+- ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` returns the global norm:
+  for ``pp == 1`` the gradients are DTensors on the data-parallel mesh; with ``pp > 1`` each
+  pipeline position holds only its stages' gradients and torch's norm is routed to
+  ``zeroc.pipeline_clip``, which adds the positions' norms over the pipeline group (a
+  parameter held by two positions is counted once). ``zeroc.clip_grad_norm_(model,
+  max_norm)`` does the same from the model and clips every rank by the same factor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zeroc.parallelize import layout_of
-from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
+from zeroc.pipeline_clip import owned_here, pipeline_norm
 from zeroc.sharded_params import ZeroState, sharded_of, state_of
 from zeroc.sharded_params import set_requires_gradient_sync as _set_sync
 
@@ -83,12 +82,6 @@ def data_parallel_size(model: nn.Module) -> int:
     return 1 if layout is None else layout.dp
 
 
-def _owned_by_this_position(param: torch.Tensor, pp_index: int) -> bool:
-    sharded = sharded_of(param)
-    source = getattr(sharded.flat if sharded is not None else param, PP_SOURCE_ATTR, None)
-    return source is None or source == pp_index
-
-
 def clip_grad_norm_(
     model: nn.Module,
     max_norm: float,
@@ -107,29 +100,10 @@ def clip_grad_norm_(
     if layout is None or layout.pp == 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite, foreach)
-        return _plain(norm)
-    norm_type = float(norm_type)
-    owned = [p.grad for p in params if _owned_by_this_position(p, layout.mesh.pp_index)]
-    if owned:
-        local = _plain(torch.nn.utils.get_total_norm(owned, norm_type, False, foreach))
-    else:
-        device = params[0].grad.device if params else torch.device("cpu")
-        local = torch.zeros((), device=device)
-    group = layout.mesh.pp_group()
-    if math.isinf(norm_type):
-        total = local.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    else:
-        total = local.double() ** norm_type
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        total = (total ** (1.0 / norm_type)).to(local.dtype)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"zeroc.clip_grad_norm_: the total norm of order {norm_type} is "
-                           f"{total.item()}; set error_if_nonfinite=False to clip anyway")
+        full_tensor = getattr(norm, "full_tensor", None)
+        return full_tensor() if callable(full_tensor) else norm
+    owned = [p.grad for p in params if owned_here(sharded_of(p), layout.mesh.pp_index)]
+    device = params[0].grad.device if params else None
+    total = pipeline_norm(layout, owned, norm_type, error_if_nonfinite, foreach, device)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
-
-
-def _plain(norm: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else norm

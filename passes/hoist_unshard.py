@@ -8,7 +8,8 @@ unshard nodes whose input is a parameter placeholder: every use reads the placeh
 instead, which from now on stands for the *full* parameter (in ``param_dtype``), and whose
 gradient the stage graphs return whole. The executor gathers and reduces once per step
 (``runtime/pipeline_zero.py``) with what is returned here: a ``HoistedParam`` per parameter
-input. An unshard of anything else (a detached buffer under ``no_sync``) stays in the graph.
+input. An unshard of anything else stays in the graph. A pipeline never traces an
+unsynchronised accumulation (``pending``): its step keeps those sums itself.
 
 ``full_size_inputs`` gives the example inputs the stage graphs are traced with: hoisted
 parameters become full-size parameters (``torch.empty``: their pages are never touched).
@@ -55,20 +56,20 @@ def hoist_unshards(gm: torch.fx.GraphModule, params: set[int],
         index = index_of.get(shard.name) if isinstance(shard, torch.fx.Node) else None
         if index is None or index not in params:
             continue
-        pending = args["pending"]
+        if args["pending"] is not None:  # sharded_params opens no sink when pp > 1
+            raise ValueError(f"zeroc pipeline: parameter {names[index]} is gathered with a "
+                             "pending gradient accumulation, which a pipeline keeps itself")
         spec = HoistedParam(
             index=index, name=names[index], shape=tuple(int(s) for s in args["shape"]),
             numel=int(args["numel"]), group_name=args["group_name"],
             zero_stage=int(args["zero_stage"]), param_dtype=args["param_dtype"],
-            reduce_dtype=args["reduce_dtype"],
-            pending=index_of.get(pending.name) if isinstance(pending, torch.fx.Node) else None)
+            reduce_dtype=args["reduce_dtype"])
         earlier = hoisted.get(index)
         if earlier is not None and (earlier.shape, earlier.param_dtype) != (
                 spec.shape, spec.param_dtype):
             raise ValueError(f"zeroc pipeline: parameter {spec.name} is gathered as "
                              f"{earlier.shape} and as {spec.shape} in one graph")
-        if earlier is None or earlier.pending is None:
-            hoisted[index] = spec
+        hoisted[index] = spec
         run = node.meta.get(SPECIALIZED_RUN)
         if run is not None:  # the placeholder now stands for what the gather gave
             shard.meta.setdefault(HOISTED_VALUE, run.out)

@@ -15,12 +15,14 @@ outputs and values passing through it to later stages); the backward message of 
 carries the gradients of ``messages[s - 1]``'s values that require one. A pass-through value's
 gradient is what came from downstream plus what the stage's own use of it contributed.
 
-Gradients. The last stage's loss is the mean over micro-batches, so every micro-batch's loss
-gets the tangent ``1 / microbatches``; parameter gradients accumulate over micro-batches and
-are then summed over the pipeline positions holding the same parameter (``p2p.exchange_and_
-sum``). A micro-batch's first gradient of a parameter is kept as the graph returned it when it
-is a fresh tensor, else copied. The step's all-gather gives every rank the loss and every
-rank's action timings (the measured timeline).
+Gradients. The last stage returns micro-batch loss numerators (``passes/loss_normalization.
+py``); each gets the tangent ``1 / denominator`` of this replica's batch, so every gradient is
+this replica's own before any data-parallel average (in the graphs with ``pp_reshard=True``,
+else ``StepZero.reduce``): the gradient of the replicas' mean loss, as in DDP. Parameter
+gradients accumulate over micro-batches and are then summed over the pipeline positions holding
+the same parameter (``p2p.exchange_and_sum``). A micro-batch's first gradient of a parameter is
+kept as the graph returned it when it is a fresh tensor, else copied. The step's all-gather
+gives every rank its replica's loss and every rank's action timings (the measured timeline).
 
 Profiling. While a ``torch.profiler`` records (checked once per step), the step runs inside
 ``record_function("zeroc/pipeline_step")``, each action group inside ``zeroc/<group label>``
@@ -31,7 +33,6 @@ and the per-step ZeRO buckets as ``runtime/pipeline_zero.py`` names them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -40,12 +41,13 @@ from typing import Any
 import torch
 
 from zeroc.runtime import fake_replay
-from zeroc.runtime.actions import Action, ActionKind, Schedule, p2p_groups
+from zeroc.runtime.actions import Action, ActionKind, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
+from zeroc.runtime.pipeline_program import PipelineLayout, StageProgram
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label
-from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
+from zeroc.runtime.pipeline_zero import StepZero
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
@@ -54,60 +56,10 @@ __all__ = ["PP_SOURCE_ATTR", "PipelineExecutor", "PipelineLayout", "StageProgram
 
 log = logging.getLogger(__name__)
 
-ValueMeta = tuple[tuple[int, ...], torch.dtype, bool]
 # Set on every parameter of a compiled pipeline: the first pipeline position that updates it.
 PP_SOURCE_ATTR = "_zeroc_pp_source"
 _STEP, _SYNC, _EXCHANGE = (PROFILE_PREFIX + n for n in (
     "pipeline_step", "step_sync", "step_grad_exchange"))
-
-
-@dataclasses.dataclass
-class StageProgram:
-    """A stage's compiled graphs and the layout of their inputs and outputs."""
-
-    index: int
-    forward: Callable[..., Any]
-    backward: Callable[..., Any]
-    input_grad: Callable[..., Any]
-    weight_grad: Callable[..., Any]
-    w_inputs: tuple[int, ...]
-    num_input_grads: int
-    param_inputs: tuple[int, ...]
-    local_inputs: tuple[int, ...]
-    in_keys: tuple[str, ...]
-    out_keys: tuple[str, ...]
-    num_model_outputs: int
-    tangent_outputs: tuple[int, ...]
-    # F&B graphs of this stage's forward with another stage's backward, by backward stage.
-    overlapped: dict[int, Callable[..., Any]] = dataclasses.field(default_factory=dict)
-    # The forward-only graph for torch.no_grad() calls (no saved activations), compiled on
-    # first use; None: run the training forward.
-    inference: Callable[..., Any] | None = None
-
-
-@dataclasses.dataclass
-class PipelineLayout:
-    """What every rank of the pipeline agrees on (computed identically everywhere)."""
-
-    schedule: Schedule
-    forward_schedule: Schedule
-    messages: tuple[tuple[str, ...], ...]
-    values: dict[str, ValueMeta]
-    batch_inputs: frozenset[int]
-    microbatch: int
-    holders: dict[int, tuple[int, ...]]
-    position: int
-    global_ranks: tuple[int, ...]
-    group_name: str
-    # How micro-batch losses combine (see zeroc.passes.loss_normalization): the graphs
-    # return numerators; the loss and every gradient are divided by the denominator, a
-    # graph of the full-batch inputs (None: 1). "micro_mean" averages the micro-batches.
-    loss_kind: str = "micro_mean"
-    loss_denominator: Any = None
-    # ZeRO once per step (runtime/pipeline_zero.py): this rank's parameters whose gather was
-    # taken out of the stage graphs, and the bucket size of the per-step collectives.
-    hoisted: dict[int, HoistedParam] = dataclasses.field(default_factory=dict)
-    bucket_mb: float = 25.0
 
 
 class PipelineExecutor:
@@ -143,18 +95,21 @@ class PipelineExecutor:
         log.debug("zeroc: pipeline position %d runs stages %s: %d action groups per step",
                   position, sorted(stages), len(self.groups[True][position]))
 
-    def run(self, inputs: list[Any], train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run the step on the model's flat inputs; return (mean loss, parameter gradients)."""
+    def run(self, inputs: list[Any], train: bool,
+            reduce: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the step on the model's flat inputs; return (mean loss, parameter gradients).
+        ``reduce=False``: this rank's own gradients, hoisted ones in full; ``reduce_gradients``
+        of their sum (no-sync accumulation) gives what ``reduce=True`` returns."""
         with record(_STEP):
-            loss, grads = self._run_step(inputs, train)
+            loss, grads = self._run_step(inputs, train, reduce)
         if self.steps == 0:
             log.debug("zeroc: pipeline position %d ran its first %s step", self.layout.position,
                       "training" if train else "forward-only")
         self.steps += 1
         return loss, grads
 
-    def _run_step(self, inputs: list[Any],
-                  train: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _run_step(self, inputs: list[Any], train: bool,
+                  reduce: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         self._inputs, self._train = inputs, train
         self._saved: dict[tuple[int, int], list[Any]] = {}
         self._pending_w: dict[tuple[int, int], list[Any]] = {}
@@ -184,25 +139,29 @@ class PipelineExecutor:
                 loss, self.timings = self.sync.finish(self._loss, clock.seconds(marks), train,
                                                       inputs, self._scale)
             grads = self._grads
-            if train and self.zero is not None:  # once per step, after the last backward
-                self.zero.reduce(grads, inputs)
+            if train and reduce:  # once per step, after the last backward
+                grads = self.reduce_gradients(grads, inputs)
             if self.zero is not None:
                 self.zero.end()
             if train:
-                for index in self._param_inputs:
-                    if index not in grads:
-                        grads[index] = torch.zeros_like(inputs[index])
-                with record(_EXCHANGE):
-                    grads = exchange_and_sum(grads, self.layout.holders, self.layout.position,
-                                             self.layout.global_ranks)
-                if self._scale != 1.0:
-                    for grad in grads.values():
-                        grad.mul_(self._scale)
                 # Bucket views stay referenced: autograd copies them out and frees the bucket.
                 addresses = [g.untyped_storage()._cdata for g in grads.values()]
-                self._grads = grads if len(set(addresses)) < len(addresses) else {}
+                self._grads = grads if reduce and len(set(addresses)) < len(addresses) else {}
         self._saved, self._pending_w = {}, {}
         return loss, grads
+
+    def reduce_gradients(self, grads: dict[int, torch.Tensor],
+                         inputs: list[Any]) -> dict[int, torch.Tensor]:
+        """``grads`` reduced over dp (hoisted ones, per bucket), zero where a parameter got none,
+        summed over the positions holding one parameter (linear in ``grads``)."""
+        if self.zero is not None:
+            self.zero.reduce(grads, inputs)
+        for index in self._param_inputs:
+            if index not in grads:
+                grads[index] = torch.zeros_like(inputs[index])
+        with record(_EXCHANGE):
+            return exchange_and_sum(grads, self.layout.holders, self.layout.position,
+                                    self.layout.global_ranks)
 
     def _run_group(self, position: int, group: tuple[Action, ...],
                    plans: tuple[GroupPlan, ...], clock: StepClock, marks: list[Any]) -> None:
@@ -303,8 +262,8 @@ class PipelineExecutor:
         for i in program.tangent_outputs:
             if i < len(program.out_keys):
                 tangents.append(grads_in[program.out_keys[i]])
-            else:  # d(numerator): the step scales every gradient by 1 / denominator at the end
-                tangents.append(torch.ones((), dtype=torch.float32, device=self._step_device))
+            else:  # 1 / this replica's denominator, before any dp average (module docstring)
+                tangents.append(torch.full((), self._scale, device=self._step_device))
         return saved + tangents
 
     def backward_results(self, stage: int, microbatch: int, grads: tuple,

@@ -3,14 +3,15 @@
 After its last action every rank of a pipeline puts one float64 row together: its share of
 the loss, the (start, end, wait) seconds of each of its action groups, and a digest of the
 batch it was given (two position-weighted sums per batch input). One all-gather over the
-pipeline group hands every rank every row, so every rank returns the same loss, the plan can
-draw every rank's measured timeline (``StepTimings``), and a rank given another batch than
-its peers raises on all of them.
+pipeline group hands every rank every row, so every rank returns the same loss (its
+data-parallel replica's own: the group is one pipeline, not ``dp``), the plan can draw every
+rank's measured timeline (``StepTimings``), and a rank given another batch than its peers
+raises on all of them.
 
-``loss_scale`` is 1 / the loss's denominator: the graphs return numerators (see
-``zeroc.passes.loss_normalization``). Everything that does not change between steps (the
-labels of every rank's action groups, the row width, the digest's weights) is made once, when
-the executor is built.
+``loss_scale`` is 1 / the loss's denominator, from this replica's batch: the graphs return
+numerators (see ``zeroc.passes.loss_normalization``); the executor seeds the backwards with
+it. Everything that does not change between steps (the labels of every rank's action groups,
+the row width, the digest's weights) is made once, when the executor is built.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class StepSync:
 
     def finish(self, loss: torch.Tensor, seconds: list[float], train: bool, inputs: list[Any],
                scale: float) -> tuple[torch.Tensor, StepTimings | None]:
-        """All-gather loss shares, timings and digests; return (mean loss, every rank's timings).
+        """All-gather loss shares, timings and digests; return (the replica's loss, timings).
 
         ``seconds`` holds three marks per action group: start, compute start (after waiting
         for its receives), end."""

@@ -12,10 +12,11 @@ return its full gradient. ``StepZero`` then, for this rank's stages,
   dtype), one ``all_gather_into_tensor`` per bucket; the full parameters live until the end
   of the step.
 - ``reduce(grads, inputs)``: after the last backward, the full gradients summed over the
-  micro-batches are cast to ``reduce_dtype``, joined by any pending accumulation
-  (``no_sync``), packed rank-major in buckets and reduced once: ``reduce_scatter_tensor`` at
-  ZeRO-2/3, ``all_reduce`` for whole parameters; each parameter's gradient becomes this rank's
-  shard averaged over the data-parallel ranks, in the shard's dtype.
+  micro-batches (and over the micro-steps without sync before it: ``zeroc.pipelined_step``)
+  are cast to ``reduce_dtype``, packed rank-major in buckets and reduced once:
+  ``reduce_scatter_tensor`` at ZeRO-2/3, ``all_reduce`` for whole parameters; each
+  parameter's gradient becomes this rank's shard averaged over the data-parallel ranks, in
+  the shard's dtype.
 
 Every step issues ``gather_buckets`` all-gathers and ``reduce_buckets`` reductions, whatever
 the number of micro-batches; ``counts`` keeps what the last step issued.
@@ -50,8 +51,7 @@ class HoistedParam:
     """A parameter whose ``zeroc::unshard`` was taken out of the stage graphs.
 
     ``shape``/``numel``: the full parameter; ``zero_stage``: the op stage (0: whole
-    parameter, gradients all-reduced; 2, 3: sharded); ``pending``: the graph input that holds
-    an unsynchronised gradient accumulation to add before the reduction, or None."""
+    parameter, gradients all-reduced; 2, 3: sharded)."""
 
     index: int
     name: str
@@ -61,7 +61,6 @@ class HoistedParam:
     zero_stage: int
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
-    pending: int | None = None
 
     def ranks(self) -> int:
         """How many shards the parameter is cut into (1: whole)."""
@@ -190,8 +189,6 @@ class StepZero:
             grad = grads[index].reshape(-1)
             if param.reduce_dtype is not None:
                 grad = grad.to(param.reduce_dtype)
-            if param.pending is not None and inputs[param.pending] is not None:
-                grad = grad + inputs[param.pending].reshape(-1).to(grad.dtype)
             # The shards are padded row-wise: the full padded size is a shard times the ranks.
             padded = inputs[index].numel() * param.ranks()
             if padded > grad.numel():
