@@ -78,7 +78,11 @@ from zeroc.sharded_params import (
     set_requires_gradient_sync,
 )
 from zeroc.stage_holding import FLAT_SHARDED_ATTR, install_state_dict_hooks
-from zeroc.trace_settings import ignore_model_logging, mark_batch_dynamic
+from zeroc.trace_settings import (
+    ignore_model_logging,
+    install_output_capture_hooks,
+    mark_batch_dynamic,
+)
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
 
@@ -281,6 +285,7 @@ def parallelize(
         register(state)  # torch's clip_grad_norm_ gives the whole pipeline's norm
         ignore_model_logging()
         model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
+        model.register_forward_pre_hook(install_output_capture_hooks, with_kwargs=True)
         install_state_dict_hooks(model, deferred)  # a rank saves only the stages it holds
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)

@@ -19,6 +19,8 @@ stages) is not shared.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any
 
 import torch
@@ -26,6 +28,9 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+import zeroc.codegen as zeroc_codegen
+import zeroc.passes as zeroc_passes
+import zeroc.runtime as zeroc_runtime
 from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
 from zeroc.grad_coverage import differentiated_inputs
@@ -113,27 +118,69 @@ def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
     return batch, next(iter(sizes.values()))
 
 
-def _where(node: torch.fx.Node | None) -> str:
-    """``file:line (code)`` of the user's source line that traced ``node``."""
+# Frames of these files are zeroc's or torch's own, not the user's (a stack trace's outer
+# frames are the model's, its inner ones the library code the model called).
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (torch, zeroc_passes, zeroc_codegen, zeroc_runtime)) + (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """``file, line N: code`` of the innermost frame outside zeroc and torch."""
+    for filename, line, code in reversed(frames):
+        if not os.path.abspath(filename).startswith(_LIBRARY_DIRS):
+            return f"{filename}, line {line}: {code}" if code else f"{filename}, line {line}"
+    return None
+
+
+def _where(node: torch.fx.Node | None) -> str | None:
+    """``file, line N: code`` of the user's source line that traced ``node``."""
     trace = (node.meta.get("stack_trace") or "") if node is not None else ""
-    frames = [line.strip() for line in trace.strip().splitlines()]
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].startswith("File "):
-            code = frames[i + 1] if i + 1 < len(frames) else ""
-            place = frames[i].removeprefix("File ").replace('"', "")
-            return f"{place}: {code}" if code else place
-    return "an unknown line"
+    lines = [line.strip() for line in trace.strip().splitlines()]
+    frames = []
+    for i, line in enumerate(lines):
+        match = re.match(r'File "([^"]+)", line (\d+)', line)
+        if match:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith(
+                "File ") else ""
+            frames.append((match.group(1), int(match.group(2)), code))
+    return _user_frame(frames)
 
 
-def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int]) -> None:
+def _break_reason(gm: torch.fx.GraphModule) -> str:
+    """Why Dynamo ended the graph, and the user's line it broke at. Dynamo leaves a
+    ``compile_subgraph_reason`` (reason text, user stack) on each graph it hands a backend;
+    when this graph ended without a break (Dynamo gave up on an outer frame and compiled an
+    inner one, such as an embedding's forward, on its own), the latest break it recorded."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        from torch._dynamo import utils as dynamo_utils
+
+        recorded = getattr(dynamo_utils, "graph_break_reasons", None) or [None]
+        reason = recorded[-1]
+    if reason is None:
+        return ""
+    stack = [(f.filename, f.lineno, (f.line or "").strip())
+             for f in getattr(reason, "user_stack", None) or ()]
+    where = _user_frame(stack)
+    first = str(getattr(reason, "reason", "")).strip().splitlines()
+    what = first[0] if first else "a graph break"
+    return f" Dynamo broke the graph at {where or 'an unknown line'}: {what}."
+
+
+def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int],
+                     traced: torch.fx.GraphModule) -> None:
+    """A pipeline needs the whole forward as one graph; ``traced``: the graph as Dynamo handed
+    it over (it carries the break's reason)."""
     if len(params) >= len(layout.params):
         return
     ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    lines = [where for n in ops if (where := _where(n)) is not None]
     raise ValueError(
         f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
         f"parameters; with pp={layout.pp} the whole forward must be one graph. Dynamo split "
-        f"it: this graph runs from {_where(ops[0] if ops else None)} to "
-        f"{_where(ops[-1] if ops else None)}, and the break is right before or after that. "
+        f"it{f': this graph runs from {lines[0]} to {lines[-1]}' if lines else ''}."
+        f"{_break_reason(traced)} "
         "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
         "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
         "parameters"
@@ -244,7 +291,7 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
            layout: ZeroLayout, prefix: str,
            dynamic_gm: torch.fx.GraphModule | None) -> PipelineFront:
     params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
-    _check_one_graph(gm, layout, params)
+    _check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm)
     loss_output = keep_loss_output(gm, params)
     differentiated = _differentiated(gm, dynamic_gm, loss_output)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params)

@@ -1,9 +1,10 @@
 """Dynamo settings a pipelined model needs before it is traced.
 
-Two things, both set by ``zeroc.parallelize(model, pp=...)`` with ``pp > 1``: logging inside
-the forward must not break the graph (``ignore_model_logging``), and the batch dimension is
+Three things, all set by ``zeroc.parallelize(model, pp=...)`` with ``pp > 1``: logging inside
+the forward must not break the graph (``ignore_model_logging``), the batch dimension is
 traced as a symbol so the pipeline can trace its stages at the micro-batch size
-(``mark_batch_dynamic``, a forward pre-hook on the model).
+(``mark_batch_dynamic``, a forward pre-hook on the model), and Hugging Face's output-capturing
+hooks are installed before Dynamo traces (``install_output_capture_hooks``, another pre-hook).
 
 A pipeline needs the whole forward as one graph. Models log from inside their forward:
 Hugging Face models call ``logger.warning_once`` (a ``functools.lru_cache`` wrapper Dynamo
@@ -17,6 +18,7 @@ are skipped instead of breaking the graph. It is global Dynamo configuration: it
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -65,3 +67,28 @@ def mark_batch_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """
     for value in tree_flatten((args, kwargs))[0]:
         _mark_batch_dynamic(value)
+
+
+@torch._dynamo.disable
+def install_output_capture_hooks(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a pipelined model: install transformers' output-capturing hooks now.
+
+    A Hugging Face model asked for outputs its layers record (``output_router_logits=True`` in
+    an MoE config, so the router's auxiliary loss is part of the loss; ``output_hidden_states``)
+    installs forward hooks on its layers lazily, on its first call, under a ``threading.Lock``
+    (``transformers.utils.output_capturing.maybe_install_capturing_hooks``). Dynamo breaks the
+    graph at the lock, and a pipeline needs one graph; installed before tracing, the hooks are
+    traced like any other code. Only models that would install them on this call get them.
+    """
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    registry = getattr(capturing, "_CAN_RECORD_REGISTRY", None)
+    install = getattr(capturing, "maybe_install_capturing_hooks", None)
+    if registry is None or install is None:
+        return
+    for sub in module.modules():
+        flags = registry.get(sub) if hasattr(sub, "config") else None
+        if not flags or getattr(sub, "_output_capturing_hooks_installed", False):
+            continue
+        if any(kwargs.get(f"output_{key}") or getattr(sub.config, f"output_{key}", False)
+               for key in flags):
+            install(sub)

@@ -8,11 +8,14 @@ holds the whole batch's logits (the last stage sees one micro-batch at a time), 
 pipeline computes the loss alone.
 
 ``keep_loss_output(gm)`` picks the loss: the one floating 0-d output that depends on a
-parameter. It rewrites the graph to return that output alone, so nothing else is kept for
-the call, and records every other output's shape and dtype: the compiled call returns them as
-tensors on the ``meta`` device (no data; using one where data is needed raises), so Dynamo
-can rebuild the model's output structure and ``output.loss`` reads the real loss. No
-candidate, or several, is refused with an error that lists the outputs found.
+parameter, or, where there are several, the one all the others feed into (a Hugging Face
+mixture-of-experts model with ``output_router_logits=True`` returns ``.loss``, the language
+model loss plus the router's auxiliary loss, and ``.aux_loss`` itself). It rewrites the
+graph to return that output alone, so nothing else is kept for the call, and records every
+other output's shape and dtype: the compiled call returns them as tensors on the ``meta``
+device (no data; using one where data is needed raises), so Dynamo can rebuild the model's
+output structure and ``output.loss`` reads the real loss. No candidate, or several none of
+which holds all the others, is refused with an error that lists the outputs found.
 """
 
 from __future__ import annotations
@@ -64,6 +67,29 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _total(flat: list[Any], candidates: list[int]) -> list[int]:
+    """The candidates every other candidate is computed into (the total of several losses)."""
+    if len(candidates) < 2:
+        return candidates
+    totals = []
+    for i in candidates:
+        ancestors = _ancestors(flat[i])
+        if all(flat[j] in ancestors for j in candidates if flat[j] is not flat[i]):
+            totals.append(i)
+    return totals
+
+
 def keep_loss_output(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
     """Rewrite ``gm`` (in place) to return only its loss; ``params``: parameter positions."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -76,6 +102,7 @@ def keep_loss_output(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
         if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor)
         and value.dim() == 0 and value.is_floating_point() and reads_parameter(arg, param_names)
     ]
+    candidates = _total(flat, candidates) or candidates
     if len(candidates) != 1:
         found = ", ".join(_describe(v) for v in values) or "nothing"
         reason = ("no floating scalar that depends on the parameters" if not candidates else
