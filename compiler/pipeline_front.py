@@ -169,17 +169,21 @@ def _break_reason(gm: torch.fx.GraphModule) -> str:
 
 
 def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int],
-                     traced: torch.fx.GraphModule) -> None:
+                     traced: torch.fx.GraphModule, inputs: list[Any]) -> None:
     """A pipeline needs the whole forward as one graph; ``traced``: the graph as Dynamo handed
     it over (it carries the break's reason)."""
     if len(params) >= len(layout.params):
         return
     ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
     lines = [where for n in ops if (where := _where(n)) is not None]
+    names = sorted(name for i in params if (name := getattr(
+        getattr(inputs[i], "_zeroc_param", None), "param_name", None)))
+    reads = f" (it reads {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
     raise ValueError(
         f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
-        f"parameters; with pp={layout.pp} the whole forward must be one graph. Dynamo split "
-        f"it{f': this graph runs from {lines[0]} to {lines[-1]}' if lines else ''}."
+        f"parameters{reads if names else ''}; with pp={layout.pp} the whole forward must be "
+        f"one graph. Dynamo split it"
+        f"{f': this graph runs from {lines[0]} to {lines[-1]}' if lines else ''}."
         f"{_break_reason(traced)} "
         "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
         "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
@@ -291,7 +295,8 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
            layout: ZeroLayout, prefix: str,
            dynamic_gm: torch.fx.GraphModule | None) -> PipelineFront:
     params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
-    _check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm)
+    _check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm,
+                     example_inputs)
     loss_output = keep_loss_output(gm, params)
     differentiated = _differentiated(gm, dynamic_gm, loss_output)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params)

@@ -85,7 +85,9 @@ def messages() -> dict[str, str]:
         ("microbatches", "microbatches=3 does not divide the batch of 8"),
         ("dualpipe_microbatches", "dualpipe needs an even num_microbatches"),
         ("not_a_loss", "must return one scalar loss .* outputs are \\[\\(8, 16, 64\\) float32\\]"),
-        ("graph_break", "the whole forward must be one graph.*this graph runs from .*py"),
+        # Dynamo gives up on the model's forward and compiles the embedding's on its own.
+        ("graph_break", r"uses 1 of the model's 28 parameters \(it reads tok_emb\.weight\); "
+                        "with pp=2 the whole forward must be one graph"),
     ],
 )
 def test_pipeline_input_errors(messages: dict[str, str], case: str, expected: str) -> None:
