@@ -37,6 +37,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.plan_capture import SharedTrace
+from zeroc.runtime import nccl_order
+from zeroc.runtime.nccl_order import P2PRecord
 from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["PositionPlan", "fake_world", "loss_of", "meta_copy", "plan_position",
@@ -131,6 +133,8 @@ class PositionPlan:
     plan: Any
     memory: dict[str, int]
     seconds: float
+    # The point-to-point transfers its step issued, in order (``zeroc.runtime.nccl_order``).
+    p2p: P2PRecord | None = None
 
 
 def _storage_bytes(tensors: list[Any]) -> int:
@@ -239,15 +243,16 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
             # One step, measured. A graph that runs for the first time on its input shapes is
             # recorded and replayed by later steps (fake_replay), which gives the same figures:
             # the first step's are a later step's.
-            memory = measured_step(compiled, parallel, optimizer, args, kwargs,
-                                   _backward_for(device))
+            with nccl_order.recording() as p2p:
+                memory = measured_step(compiled, parallel, optimizer, args, kwargs,
+                                       _backward_for(device))
         except Exception as error:
             _explain_value_read(error)
             raise
         plan = zeroc.explain(compiled) if session is None else build_plan(session)
     seconds = time.perf_counter() - started
     log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)
-    return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds)
+    return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds, p2p=p2p)
 
 
 def share_front(model: nn.Module, example_inputs: Any, *, world: int, pp: int, zero: int,

@@ -32,6 +32,7 @@ from zeroc.plan_workers import (
     plan_positions,
     planning_cores,
 )
+from zeroc.runtime import nccl_order
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import MemoryEstimate
@@ -120,6 +121,10 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
             positions = plan_positions(plan_one, list(range(pp)), _position_work(pp))
     finally:
         PLANNING.shared = None
+    # The representatives are one pipeline (data-parallel index 0): their transfers must
+    # match under NCCL's ordering rules, whatever the backend planned on.
+    nccl_order.check({p.rank: p.p2p for p in positions if p.p2p is not None},
+                     f"the planned {world}-rank job (pp={pp})")
     base = positions[0].plan
     memory = []
     for position, planned in enumerate(positions):

@@ -1,14 +1,14 @@
 """Point-to-point transfers of a pipeline step: batched isend/irecv and gradient exchange.
 
-The executor posts the receives of a p2p group of the lowered schedule
-(``zeroc.runtime.actions.p2p_groups``) before the compute that precedes the group, posts
-the group's sends when it reaches it and waits for them only at the end of the step, and waits
-for a receive only right before the compute that reads its value. Every wait is
-at or after the point where the lowering's deadlock-free order (one batch per group, waited
-at once) would have waited, so this order is deadlock-free too. Messages carry several
-tensors; both sides enumerate them in the same order, so torch.distributed's in-order
-matching of messages on a (source, destination) pair pairs them up. Works with gloo (CPU)
-and NCCL (GPU).
+The executor issues each p2p group of the lowered schedule
+(``zeroc.runtime.actions.p2p_groups``) as one ``batch_isend_irecv`` (``post_batch``) when it
+reaches the group, and waits for a receive only right before the compute that reads its
+value, for the rest at the end of the step. The groups are issued in the lowering's order,
+which is deadlock-free for batched groups (``zeroc.passes.comm_lowering.verify_p2p``), and
+every wait is at or after the point where that order would have waited, so NCCL's in-order
+matching per pair of ranks cannot deadlock on it (``zeroc.runtime.nccl_order`` checks it on
+what a step really issued). Messages carry several tensors; both sides enumerate them in the
+same order. Works with gloo (CPU) and NCCL (GPU).
 
 ``exchange_and_sum`` adds up the gradients of parameters that several pipeline ranks hold (a
 tied embedding and head on the first and last stage, DualPipe's two copies of every stage):
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroc.runtime import nccl_order
+
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
@@ -34,17 +36,26 @@ class Transfer:
     peer: int
 
 
-def post_sends(tensors: list[torch.Tensor], peer: int,
-               group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Post one ``isend`` per non-empty tensor to global rank ``peer``; return the works (the
-    caller keeps each tensor alive and unchanged until its work is waited)."""
-    return [dist.isend(t, peer, group) for t in tensors if t.numel()]
-
-
-def post_receives(tensors: list[torch.Tensor], peer: int,
-                  group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Post one ``irecv`` per non-empty tensor from global rank ``peer``; return the works."""
-    return [dist.irecv(t, peer, group) for t in tensors if t.numel()]
+def post_batch(sends: list[tuple[list[torch.Tensor], int, str]],
+               receives: list[tuple[list[torch.Tensor], int, str]],
+               group: dist.ProcessGroup | None = None) -> tuple[list[Any], tuple[int, ...]]:
+    """Issue ``sends`` and ``receives`` (each: tensors, the peer's global rank, a label for
+    reports) as one ``batch_isend_irecv``, in that order; return its works, to wait for later
+    (the caller keeps every tensor alive and unchanged until then), and the transfers'
+    indices in ``nccl_order``'s record. Empty tensors are left out (both sides skip them)."""
+    ops, noted = [], []
+    for messages, send in ((sends, True), (receives, False)):
+        function = dist.isend if send else dist.irecv
+        for tensors, peer, label in messages:
+            for tensor in tensors:
+                if tensor.numel():
+                    ops.append(dist.P2POp(function, tensor, peer, group))
+                    noted.append((send, tensor, peer, label))
+    if not ops:
+        return [], ()
+    indices = nccl_order.record([n[:3] for n in noted], batched=True,
+                                labels=[n[3] for n in noted])
+    return list(dist.batch_isend_irecv(ops)), indices
 
 
 def run_transfers(transfers: list[Transfer], group: dist.ProcessGroup | None = None) -> None:
@@ -57,8 +68,11 @@ def run_transfers(transfers: list[Transfer], group: dist.ProcessGroup | None = N
         ops.append(dist.P2POp(function, transfer.tensor, transfer.peer, group))
     if not ops:
         return
+    indices = nccl_order.record([(t.send, t.tensor, t.peer) for t in transfers
+                                 if t.tensor.numel()], batched=True, label="grad exchange")
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    nccl_order.waited(indices)
 
 
 def exchange_and_sum(

@@ -170,13 +170,9 @@ class PipelineExecutor:
         start = clock.mark()
         marks.append(start)
         if plan.p2p:
-            self.messages.exchange(position, plan)
+            self.messages.exchange(plan)
             marks.append(start)
-        else:
-            # Receives of the next p2p group are posted before this compute runs; this
-            # compute waits only for the messages it reads.
-            if plan.post_next:
-                self.messages.post(position + 1, plans[position + 1])
+        else:  # this compute waits only for the messages it reads
             self.messages.await_inputs(plan)
             marks.append(clock.mark())
             self._compute(group[0])

@@ -2,11 +2,19 @@
 
 A stage's forward hands its message to the next stage, its backward the gradients of its
 inputs to the previous one (``deliver``): into that stage's inbox when this rank runs it, else
-into the outbox, from which the schedule's ``SEND_F`` / ``SEND_B`` actions post it. A p2p group
-of the lowered schedule posts its sends when the executor reaches it (waited only at the end
-of the step) and its receives before the compute that precedes it (``post``); the received
-values land in the inboxes at the group, and a compute waits only for the receives it reads
-(``await_inputs``, see ``runtime/p2p.py`` for why this order cannot deadlock).
+into the outbox, from which the schedule's ``SEND_F`` / ``SEND_B`` actions post it.
+
+Each p2p group of the lowered schedule is issued, when the executor reaches it, as ONE
+``batch_isend_irecv`` of all its sends and receives (``exchange``), and nothing is waited
+there: a compute waits only for the receives it reads (``await_inputs``), the sends and any
+unread receive at the end of the step (``end``). This is the order NCCL needs. NCCL runs a
+pair of ranks' transfers on one stream in issue order, each waiting for its counterpart, so
+receives posted one by one ahead of the sends they pair with (what gloo, which matches by
+tag, accepts) deadlock there; groups issued whole, in the lowering's order
+(``zeroc.passes.comm_lowering.verify_p2p``: deadlock-free as batched groups), cannot. The
+transfers still overlap compute: a batch runs on the communication stream (or gloo's
+threads) while the ranks compute, until the compute that reads it. ``zeroc.runtime.
+nccl_order`` records what a step issues and waits for and plays NCCL's matching on it.
 
 What every step does the same way is worked out once, when the executor is built
 (``plan_groups``): each p2p group's sends (outbox key, peer's global rank) and receives (inbox,
@@ -22,8 +30,9 @@ from typing import Any
 
 import torch
 
+from zeroc.runtime import nccl_order
 from zeroc.runtime.actions import Action, ActionKind
-from zeroc.runtime.p2p import post_receives, post_sends
+from zeroc.runtime.p2p import post_batch
 
 __all__ = ["GroupPlan", "StepMessages", "plan_groups"]
 
@@ -51,7 +60,6 @@ class GroupPlan:
     sends: tuple[tuple[MessageKey, int], ...] = ()  # (outbox key, peer's global rank)
     receives: tuple[Receive, ...] = ()
     waits_for: tuple[MessageKey, ...] = ()  # a compute: the receives it reads
-    post_next: bool = False  # a compute followed by a p2p group: post its receives first
 
 
 def plan_groups(groups: list[tuple[Action, ...]], train: bool,
@@ -60,7 +68,7 @@ def plan_groups(groups: list[tuple[Action, ...]], train: bool,
                 global_ranks: tuple[int, ...]) -> tuple[GroupPlan, ...]:
     """One ``GroupPlan`` per action group of this rank (see the module docstring)."""
     plans = []
-    for position, group in enumerate(groups):
+    for group in groups:
         if not group[0].is_p2p:
             waits = []
             for part in group[0].parts():
@@ -68,8 +76,7 @@ def plan_groups(groups: list[tuple[Action, ...]], train: bool,
                     waits.append(("F", part.stage, part.microbatch))
                 elif part.kind in (ActionKind.B, ActionKind.I):
                     waits.append(("B", part.stage, part.microbatch))
-            following = position + 1 < len(groups) and groups[position + 1][0].is_p2p
-            plans.append(GroupPlan(False, waits_for=tuple(waits), post_next=following))
+            plans.append(GroupPlan(False, waits_for=tuple(waits)))
             continue
         sends, receives = [], []
         for action in group:
@@ -102,9 +109,12 @@ class StepMessages:
         self.device = device
         self.inbox: dict[str, dict[tuple[int, int], dict[str, torch.Tensor]]] = {"F": {}, "B": {}}
         self.outbox: dict[MessageKey, list[torch.Tensor]] = {}
-        self._posted: dict[int, list[tuple[Receive, list[torch.Tensor], list[Any]]]] = {}
-        self._arriving: dict[MessageKey, list[Any]] = {}
-        self._sends: list[tuple[Any, torch.Tensor]] = []
+        # The step's batches not yet waited, by issue number: works, recorded transfers and
+        # the sent tensors (kept alive until then). A work is waited exactly once: a second
+        # wait on a finished gloo receive blocks for a message that never comes.
+        self._batches: dict[int, tuple[list[Any], tuple[int, ...], list[torch.Tensor]]] = {}
+        self._arriving: dict[MessageKey, int] = {}  # a received message -> its batch
+        self._issued = 0
 
     def deliver(self, kind: str, stage: int, microbatch: int, message: dict[str, torch.Tensor],
                 local: bool) -> None:
@@ -114,42 +124,49 @@ class StepMessages:
         else:
             self.outbox[(kind, stage, microbatch)] = list(message.values())
 
-    def post(self, position: int, plan: GroupPlan) -> None:
-        """Post the receives of p2p group ``position`` (once per step)."""
-        if position in self._posted:
-            return
-        posted = []
+    def exchange(self, plan: GroupPlan) -> None:
+        """Issue a p2p group: its sends and receives as one batch, waited later
+        (module docstring); the received values land in the inboxes at once, and a compute
+        waits for the ones it reads before using them."""
+        sends = []
+        for key, peer in plan.sends:
+            tensors = [t.contiguous() for t in self.outbox.pop(key)]
+            sends.append((tensors, peer, f"{key[0]}{key[2]}->s{key[1]}"))
+        receives = []
         for receive in plan.receives:
             tensors = [torch.empty(shape, dtype=dtype, device=self.device)
                        for shape, dtype in receive.metas]
-            posted.append((receive, tensors, post_receives(tensors, receive.peer)))
-        self._posted[position] = posted
-
-    def exchange(self, position: int, plan: GroupPlan) -> None:
-        """Post this group's sends (waited at the end of the step) and its receives, if not
-        yet; the received values land in the inboxes, a compute waits for them before use."""
-        for key, peer in plan.sends:
-            tensors = [t.contiguous() for t in self.outbox.pop(key)]
-            self._sends.extend(zip(post_sends(tensors, peer), tensors, strict=True))
-        self.post(position, plan)
-        for receive, tensors, works in self._posted.pop(position):
+            key = (receive.inbox, *receive.key)
+            receives.append((tensors, receive.peer, f"{key[0]}{key[2]}->s{key[1]}"))
             self.inbox[receive.inbox][receive.key] = dict(zip(receive.names, tensors,
                                                               strict=True))
-            if works:
-                self._arriving[(receive.inbox, *receive.key)] = works
+        works, indices = post_batch(sends, receives)
+        if not works:
+            return
+        self._issued += 1
+        number = self._issued
+        self._batches[number] = (works, indices, [t for ts, _, _ in sends for t in ts])
+        for receive in plan.receives:  # one batch: a receive is done when the batch is
+            self._arriving[(receive.inbox, *receive.key)] = number
+
+    def _wait(self, number: int) -> None:
+        batch = self._batches.pop(number, None)
+        if batch is None:
+            return  # waited already
+        works, indices, _sent = batch
+        for work in works:
+            work.wait()
+        nccl_order.waited(indices)
 
     def await_inputs(self, plan: GroupPlan) -> None:
         """Wait for the receives a compute reads: its forward input, its output gradients."""
         for needed in plan.waits_for:
-            for work in self._arriving.pop(needed, ()):
-                work.wait()
+            number = self._arriving.pop(needed, None)
+            if number is not None:
+                self._wait(number)
 
     def end(self) -> None:
-        """Wait for messages nothing read (forward-only: gradients) and for every send."""
-        for works in self._arriving.values():
-            for work in works:
-                work.wait()
-        for work, _tensor in self._sends:
-            work.wait()
+        """Wait for every batch of the step not waited yet (sends, receives nothing read)."""
+        for number in list(self._batches):
+            self._wait(number)
         self._arriving = {}
-        self._sends = []

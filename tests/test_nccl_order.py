@@ -1,0 +1,123 @@
+"""NCCL's point-to-point ordering, checked on a CPU (``zeroc.runtime.nccl_order``).
+
+NCCL runs a pair of ranks' transfers on one stream in issue order, each waiting for its
+counterpart; gloo matches by tag and hides an order NCCL would hang on. The matcher plays
+NCCL's rules on what each rank issued; a planned world (``zeroc.explain(world=...)``) runs
+the real pipeline executors on fake CUDA tensors, records every transfer and wait, and
+refuses an order that would deadlock. Every schedule at pp 2, 4 and 8, two micro-batch
+counts, dp 1 and 2 and ZeRO 0-3 must pass; the order the executor used to issue (each
+receive posted alone, ahead of the sends) must be reported, naming both ranks' queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from models.gpt import GPT, GPTConfig
+
+import zeroc
+from zeroc.passes.schedule import build_schedule
+from zeroc.runtime import nccl_order, pipeline_messages
+from zeroc.runtime.nccl_order import P2PDeadlockError, P2PRecord, Transfer, find_deadlock
+
+SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+BATCH = 32
+
+
+def _record(*transfers: tuple[bool, int, int | None, str]) -> P2PRecord:
+    """A rank's record from ``(send, peer, batch, label)`` tuples, nothing waited."""
+    return P2PRecord(transfers=[Transfer(send, peer, (4, 8), "float32", "cuda:0", batch, label)
+                                for send, peer, batch, label in transfers])
+
+
+def test_the_issue_order_of_single_transfers_deadlocks_and_batches_do_not() -> None:
+    # 1F1B at pp=2: rank 0 sends F0, waits for B0, sends F1; rank 1 receives F0 and F1 first.
+    singles = {
+        0: _record((True, 1, None, "F0"), (False, 1, None, "B0"), (True, 1, None, "F1"),
+                   (False, 1, None, "B1")),
+        1: _record((False, 0, None, "F0"), (False, 0, None, "F1"), (True, 0, None, "B0"),
+                   (True, 0, None, "B1")),
+    }
+    report = find_deadlock(singles)
+    assert report is not None
+    assert "rank 0 waits on: recv from 1 [4, 8] (B0)" in report
+    assert "rank 1 waits on: recv from 0 [4, 8] (F1)" in report
+    # The lowering's groups issued whole: F1 with B0 on rank 0; F1, then B0 on rank 1.
+    grouped = {
+        0: _record((True, 1, 0, "F0"), (True, 1, 1, "F1"), (False, 1, 1, "B0"),
+                   (False, 1, 2, "B1")),
+        1: _record((False, 0, 0, "F0"), (False, 0, 1, "F1"), (True, 0, 2, "B0"),
+                   (True, 0, 3, "B1")),
+    }
+    assert find_deadlock(grouped) is None
+
+
+def test_a_wait_before_issuing_orders_the_streams_and_mismatches_are_named() -> None:
+    # Rank 0 waits for its receive before it sends: a cycle through the wait.
+    waiting = {0: _record((False, 1, None, "B0"), (True, 1, None, "F0")),
+               1: _record((False, 0, None, "F0"), (True, 0, None, "B0"))}
+    waiting[0].waits.append(0)
+    waiting[0].transfers[1] = Transfer(True, 1, (4, 8), "float32", "cuda:0", None, "F0", 1)
+    waiting[1].waits.append(0)
+    waiting[1].transfers[1] = Transfer(True, 0, (4, 8), "float32", "cuda:0", None, "B0", 1)
+    assert "rank 0 waits on: recv from 1 [4, 8] (B0)" in find_deadlock(waiting)
+    mismatched = {0: _record((True, 1, None, "F0")),
+                  1: P2PRecord(transfers=[Transfer(False, 0, (4, 9), "float32", "cuda:0",
+                                                   None, "F0")])}
+    assert "shapes or dtypes differ" in find_deadlock(mismatched)
+    with pytest.raises(P2PDeadlockError, match="would deadlock under NCCL"):
+        nccl_order.check(mismatched, "a test")
+
+
+def _gpt(layers: int) -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, d_model=32),
+               seed=1)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 64, (BATCH, 17), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _cases() -> list[tuple[str, int, int, int, int]]:
+    """Every schedule at pp 2, 4 and 8; two micro-batch counts at pp 2 and 4; dp and ZeRO
+    vary."""
+    cases = []
+    for k, (schedule, pp) in enumerate(itertools.product(SCHEDULES, (2, 4, 8))):
+        least = build_schedule(schedule, pp, 2 * pp if "dual" in schedule else pp).num_stages
+        for j, microbatches in enumerate((max(least, 2 * pp) if "dual" in schedule else pp,
+                                          2 * pp if "dual" not in schedule else 4 * pp)):
+            if j == 0 or pp < 8:
+                cases.append((schedule, pp, microbatches, 1 + (k + j) % 2, (k + j) % 4))
+    return [c for c in cases if BATCH % c[2] == 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_schedule_issues_an_order_nccl_matches() -> None:
+    count = 0
+    for schedule, pp, microbatches, dp, zero in _cases():
+        layers = 2 * pp if "dual" in schedule else pp
+        zeroc.explain(_gpt(layers), _batch(), world=pp * dp, pp=pp, zero=zero, device="cuda",
+                      options={"schedule": schedule, "microbatches": microbatches})
+        count += 1
+    assert count >= 20, count  # each plan above raised if NCCL could not match its order
+
+
+def test_the_executors_former_order_is_reported_as_a_deadlock(monkeypatch) -> None:
+    """Receives posted one by one ahead of the group's sends, as the executor used to."""
+    def singles(sends, receives, group=None):
+        works, indices = [], []
+        for issued, send in ((receives, False), (sends, True)):
+            for tensors, peer, label in issued:
+                for tensor in tensors:
+                    indices += nccl_order.record([(send, tensor, peer)], batched=False,
+                                                 label=label)
+        return works, tuple(indices)
+
+    monkeypatch.setattr(pipeline_messages, "post_batch", singles)
+    with pytest.raises(P2PDeadlockError, match=r"(?s)rank 0 waits on: .*rank 2 waits on: "):
+        zeroc.explain(_gpt(2), _batch(), world=4, pp=2, zero=3, device="cuda",
+                      options={"schedule": "1f1b", "microbatches": 4})
