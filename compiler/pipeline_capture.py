@@ -49,6 +49,7 @@ from zeroc.passes.split_weight_grad import split_weight_grad
 from zeroc.pipeline_front import FrontBuilt, pipeline_front, remember_sources
 from zeroc.pipelined_step import PipelinedStep
 from zeroc.runtime.actions import ActionKind, Schedule
+from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost import graph_info, tensor_bytes
 from zeroc.runtime.pipeline_executor import (
     PP_SOURCE_ATTR,
@@ -315,7 +316,10 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
         record.kernels.extend(ctx.kernels)
         record.collectives.extend(ctx.collectives)
         if kind != "joint":
-            record.graphs.append(graph_info(graph, name, kind, graph_text(graph)))
+            text = graph_text(graph)
+            # The stage's data-parallel ranks compiled it alike, or all raise (as at pp=1).
+            check_same_graph(name, text, record.zero_group, device)
+            record.graphs.append(graph_info(graph, name, kind, text))
         return graph
 
     def inference_passes(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:

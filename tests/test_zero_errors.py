@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -26,6 +27,21 @@ def diverging_options(rank: int, world: int) -> str:
     compiled = torch.compile(model, backend="zeroc", options=options)
     try:
         compiled(*_batch(rank))
+    except Exception as error:  # the test inspects what every rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def diverging_stages(rank: int, world: int) -> str:
+    """pp=2 x dp=2: the second data-parallel rank of each position recomputes activations,
+    so its stage graphs differ from its replica's."""
+    import zeroc
+
+    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=1), zero=3, pp=2)
+    options = {"microbatches": 2, "activation_recompute": rank % 2 == 1}
+    compiled = torch.compile(model, backend="zeroc", options=options)
+    try:
+        compiled(*_batch(rank % 2))
     except Exception as error:  # the test inspects what every rank raised
         return f"{type(error).__name__}: {error}"
     return "no error"
@@ -56,6 +72,16 @@ def test_ranks_with_different_plans_all_raise_naming_the_difference() -> None:
         assert text.startswith("PlanMismatchError"), text
         assert "compiled different plans for g0.forward" in text
         assert "first difference at line" in text and "has" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_stage_graphs_are_compared_across_data_parallel_ranks() -> None:
+    results = run_ranks(diverging_stages, 4, timeout=240)
+    for text in results:
+        assert text.startswith("PlanMismatchError"), text
+        assert re.search(r"compiled different plans for g0\.s[01]\.forward", text), text
+        assert "first difference at line" in text
 
 
 @pytest.mark.timeout(300)
