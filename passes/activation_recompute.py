@@ -17,6 +17,14 @@ the backward, tag the op ``MUST_RECOMPUTE``. An op whose input the backward does
 whose backward reads its output) is left alone: recomputing it would save its input instead,
 which gains nothing.
 
+On the Inductor path the joint graph is traced with Inductor's decompositions, so GELU is a
+chain of ``mul``/``erf``/``add`` and layer norm ``var_mean`` followed by pointwise ops: no
+node is one of the cheap ops above. There the same rule applies to short pointwise chains: a
+pointwise node whose output the backward reads is tagged, with the pointwise nodes between it
+and tensors the backward has anyway (at most ``MAX_CHAIN`` of them), which Inductor fuses into
+one recomputing kernel of the backward. A chain that reads a ZeRO-gathered weight (a norm's
+affine scale) is left alone: recomputing it would move the gather's use into the backward.
+
 Runs only with ``partitioner="min_cut"`` (the default partitioner ignores the tags), and as
 the ``activation_recompute`` option says: ``"auto"`` tags where a recomputed op fuses into the
 backward's kernels (graphs compiled by Inductor or launched as zeroc's Triton kernels) and not
@@ -45,6 +53,10 @@ CHEAP_OPS = {
     aten.mish.default, aten.hardswish.default, aten.elu.default, aten.softplus.default,
     aten.native_layer_norm.default,
 }
+
+# The longest pointwise chain recomputed on the Inductor path (decomposed GELU: 5 nodes;
+# layer norm's affine tail after var_mean: 4).
+MAX_CHAIN = 8
 
 # Any id distinct from other tagged regions (see passes/zero_recompute.py).
 ACTIVATION_AC_GRAPH_ID = 100_001
@@ -105,25 +117,92 @@ def recompute_disabled(config: object, device: torch.device) -> str | None:
     return None
 
 
+def backward_side(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Nodes the forward's own outputs do not need: the backward and what only it reads
+    (decomposed backwards compute values such as ``x * x`` from forward tensors alone)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    needed: set[torch.fx.Node] = set()
+    work = [a for a in output.all_input_nodes if a not in backward]
+    while work:
+        node = work.pop()
+        if node not in needed:
+            needed.add(node)
+            work.extend(node.all_input_nodes)
+    return {n for n in gm.graph.nodes if n.op == "call_function" and n not in needed}
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in target.tags and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+def _gathered(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is (a view of) a value a collective produced: a ZeRO-gathered
+    weight, whose lifetime zeroc's placement of gathers decides."""
+    while node.op == "call_function" and getattr(node.target, "is_view", False):
+        node = node.args[0]
+    target = node.target
+    if target is torch.ops._c10d_functional.wait_tensor.default:
+        return True
+    namespace = getattr(target, "namespace", None)
+    return namespace in ("zeroc", "_c10d_functional", "c10d_functional")
+
+
+def _chain(node: torch.fx.Node, backward: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """``node`` and the forward pointwise nodes it reads back to tensors the backward has
+    anyway, if there are at most ``MAX_CHAIN`` of them; else ``None``."""
+    chain, work = [node], list(node.all_input_nodes)
+    while work:
+        arg = work.pop()
+        if _gathered(arg):
+            return None  # recomputing it would keep a ZeRO gather alive into the backward
+        if arg in chain or _available_to_backward(arg, backward):
+            continue
+        if arg in backward or not _pointwise(arg) or len(chain) >= MAX_CHAIN:
+            return None
+        chain.append(arg)
+        work.extend(arg.all_input_nodes)
+    return chain
+
+
+def _tag(node: torch.fx.Node) -> None:
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    node.meta["ac_graph_id"] = ACTIVATION_AC_GRAPH_ID
+
+
+def _output_bytes(node: torch.fx.Node) -> int:
+    value = node.meta.get("val")
+    return tensor_bytes(value[0] if isinstance(value, (tuple, list)) else value)
+
+
 def tag_activation_recompute(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Tag each cheap op whose inputs the backward has anyway ``MUST_RECOMPUTE``."""
+    """Tag each cheap op (on the Inductor path: each short pointwise chain) whose inputs the
+    backward has anyway ``MUST_RECOMPUTE``."""
     disabled = recompute_disabled(ctx.config, ctx.device)
     if disabled is not None:
         return PassResult(gm, False, {"disabled": disabled})
     backward = backward_nodes(gm)
+    decomposed = kernel_path(getattr(ctx.config, "kernels", "auto"), ctx.device) == "inductor"
+    side = backward_side(gm, backward) if decomposed else backward
     tagged = saved_bytes = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in CHEAP_OPS:
+        if node.op != "call_function" or node in side or "recompute" in node.meta:
             continue
-        if node in backward or "recompute" in node.meta:
+        if node.target in CHEAP_OPS:
+            reads = backward
+            chain = [node] if all(_available_to_backward(arg, backward)
+                                  for arg in node.all_input_nodes) else None
+        elif decomposed and _pointwise(node):
+            reads = side
+            chain = _chain(node, side)
+        else:
             continue
-        if not all(_available_to_backward(arg, backward) for arg in node.all_input_nodes):
+        if chain is None or not _output_read_by(node, reads):
             continue
-        if not _output_read_by(node, backward):
-            continue
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-        node.meta["ac_graph_id"] = ACTIVATION_AC_GRAPH_ID
+        for member in chain:
+            _tag(member)
         tagged += 1
-        value = node.meta.get("val")
-        saved_bytes += tensor_bytes(value[0] if isinstance(value, (tuple, list)) else value)
+        saved_bytes += _output_bytes(node)
     return PassResult(gm, tagged > 0, {"tagged": tagged, "bytes_not_saved": saved_bytes})

@@ -280,6 +280,24 @@ def test_no_grad_computes_no_gradients() -> None:
     FileCheck().check("zeroc.linear_cross_entropy.default(").check_same("False)").run(inference)
 
 
+def test_auto_recompute_tags_decomposed_chains_on_the_inductor_path() -> None:
+    """On CUDA Inductor compiles the graphs, so the joint graph is traced with its
+    decompositions (no ``aten.gelu``); planned on fake CUDA tensors, ``"auto"`` still tags
+    the GELU chains and the forward saves less than with recompute off."""
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
+    x, y = GPT(config, seed=0).example_batch(batch_size=8, seed=1)
+    saved, tagged = {}, {}
+    for setting in ("auto", False):
+        plan = zeroc.explain(GPT(config, seed=0), (x, y), world=2, zero=3, device="cuda",
+                             options={"activation_recompute": setting})
+        saved[setting] = plan.stages[0].activation_bytes
+        tagged[setting] = _pass_stats(plan, "tag_activation_recompute")
+    assert int(tagged["auto"]["tagged"]) >= config.n_layer  # one GELU chain per block
+    assert tagged[False] == {"disabled": "activation_recompute=False"}
+    rows, hidden = 8 * config.block_size, 4 * config.d_model
+    assert saved[False] - saved["auto"] >= config.n_layer * rows * hidden * 4
+
+
 def test_cheap_ops_are_recomputed_not_saved() -> None:
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32)
     saved, tagged = {}, {}
