@@ -35,7 +35,7 @@ from zeroc.runtime.hardware import (
     device_memory_bytes,
     profile_for_device_name,
 )
-from zeroc.runtime.mesh import Mesh, resolve_group
+from zeroc.runtime.mesh import Mesh, group_device, resolve_group
 from zeroc.runtime.shared_cores import measure_shared_slowdown
 
 __all__ = ["calibrate", "calibration_key", "calibration_path"]
@@ -211,9 +211,7 @@ def calibrate(cache_dir: str | os.PathLike[str] | None = None, groups: Any = Non
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
         backend = str(dist.get_backend())
-        on_gpu = "nccl" in backend and torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device(
-            "cpu")
+        device = group_device()
         chosen, hosts = _choose_groups(groups)
         per_node, world = max(collections.Counter(hosts).values()), dist.get_world_size()
     else:

@@ -55,7 +55,7 @@ from zeroc.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.fake_params import active_fake_mode, fake_flat, fake_visible
 from zeroc.meta_init import PLANNING, check_meta_initializable, materialize_direct
 from zeroc.runtime.errors import OptionError
-from zeroc.runtime.mesh import Mesh, build_mesh
+from zeroc.runtime.mesh import Mesh, build_mesh, group_device
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
     MixedPrecision,
@@ -153,9 +153,7 @@ def _check_process_group(mesh: Any) -> None:
 def _materialize_device() -> torch.device:
     if PLANNING.device is not None:  # the fake world's device
         return PLANNING.device
-    if dist.is_initialized() and dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return group_device()
 
 
 def _join(path: str, name: str) -> str:

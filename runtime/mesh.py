@@ -22,12 +22,13 @@ import dataclasses
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from zeroc.runtime import shutdown
 
-__all__ = ["Mesh", "build_mesh", "resolve_group"]
+__all__ = ["Mesh", "build_mesh", "group_device", "resolve_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,23 @@ def resolve_group(group_name: str) -> ProcessGroup | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def group_device() -> torch.device:
+    """The device this rank's tensors live on for the default process group's collectives.
+
+    Decided by what the group can do, not by its backend's name: with
+    ``init_process_group()`` and no backend torch reports ``"undefined"`` and configures
+    ``"cpu:gloo,cuda:nccl"``. CUDA (the current device, set from ``LOCAL_RANK`` by the
+    launcher's script) when the group routes CUDA tensors to NCCL and this process sees a
+    GPU; the CPU otherwise (gloo, or no process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    get_config = getattr(dist, "get_backend_config", None)
+    config = str(get_config()) if get_config is not None else str(dist.get_backend())
+    if "nccl" not in config:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def dp_ranks_of(pp_index: int, pp: int, dp: int) -> tuple[int, ...]:
