@@ -17,6 +17,7 @@ All cases of one world size run in one job (one process start, Dynamo reset per 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ def accumulation_job(rank: int, world: int, cases: tuple) -> dict:
     return out
 
 
+@functools.cache  # both tests read the same references (read-only)
 def _eager(scaling: str) -> dict:
     model = make_gpt()
     result = {}
