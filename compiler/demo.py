@@ -183,7 +183,7 @@ def _train(args: argparse.Namespace, rank: int, world: int) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = (time.perf_counter() - start) * 1e3
-        shown = loss.detach().clone()
+        shown = loss.detach().to(device, copy=True)  # a pipeline's loss may be on the CPU
         if world > 1:  # each data-parallel replica has its own batch's loss: show the mean
             dist.all_reduce(shown)
             shown /= world

@@ -184,10 +184,26 @@ def fake_cuda_planning() -> Iterator[None]:
                 "zeroc: planning for device='cuda' on this CPU-only torch needs torch to take "
                 "CUDA as its accelerator when the CUDA hooks say they are built, and it took "
                 f"{accelerator}. Plan with device='cpu' (or use a CUDA build of torch)")
-        with torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(False), _device_queries():
             yield
     finally:
         module.set_planning(before)
+
+
+# The compute capability the planned GPU reports: ``torch.distributed.broadcast`` asks it of
+# every CUDA tensor (FP8 handling), and a CPU-only torch has no device to ask.
+PLANNED_CAPABILITY = (9, 0)
+
+
+@contextlib.contextmanager
+def _device_queries() -> Iterator[None]:
+    """``torch.cuda.get_device_capability`` answers ``PLANNED_CAPABILITY`` (CPU-only torch)."""
+    saved = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: PLANNED_CAPABILITY
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = saved
 
 
 def _reachable(root: Any) -> collections.Counter:

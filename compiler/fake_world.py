@@ -5,7 +5,10 @@ process, what every rank of a W-rank job would run: ``zeroc.parallelize``, Dynam
 the passes, the stage split and schedule, and one training step (forward, backward, AdamW)
 through the real executors, on ``FakeTensorMode`` tensors (shapes, dtypes and devices, no
 data; any device mix raises) with a fake process group (``"fake"`` backend: every collective
-and p2p call is made, none moves data).
+and p2p call is made, none moves data). Planned for ``device="cuda"``, it holds NCCL's rules:
+every collective's tensors must be on the rank's GPU (``zeroc.runtime.nccl_devices``, a CPU
+tensor raises naming the call site), and the pipeline's transfers must be matchable in the
+order each rank issued them (``zeroc.runtime.nccl_order``, checked by ``world_plan``).
 
 Ranks that run the same program are planned once: the ranks of one pipeline position differ
 only in which rows of each parameter they hold, so one representative per position (its
@@ -38,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.plan_capture import SharedTrace
 from zeroc.runtime import nccl_order
+from zeroc.runtime.nccl_devices import strict_devices
 from zeroc.runtime.nccl_order import P2PRecord
 from zeroc.runtime.planning_state import PLANNING
 
@@ -84,7 +88,12 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
     PLANNING.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     torch._dynamo.reset()
     try:
-        with fake_cuda_planning() if device == "cuda" else contextlib.nullcontext(), mode:
+        with contextlib.ExitStack() as stack:
+            if device == "cuda":  # NCCL's rules: CUDA fake tensors, and collectives on them
+                stack.enter_context(fake_cuda_planning())
+            stack.enter_context(mode)
+            if device == "cuda":
+                stack.enter_context(strict_devices(PLANNING.device))
             yield mode
     finally:
         PLANNING.skip_init, PLANNING.device, PLANNING.simulated = saved

@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_map
 
 from zeroc.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.fake_params import active_fake_mode, fake_flat, fake_visible
+from zeroc.input_devices import install_input_device_check
 from zeroc.meta_init import PLANNING, check_meta_initializable, materialize_direct
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.mesh import Mesh, build_mesh, group_device
@@ -285,6 +286,7 @@ def parallelize(
         model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
         model.register_forward_pre_hook(install_output_capture_hooks, with_kwargs=True)
         install_state_dict_hooks(model, deferred)  # a rank saves only the stages it holds
+    install_input_device_check(model, group_device())
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)
     if policy is not None and policy.output_dtype is not None:

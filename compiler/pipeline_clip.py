@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as clip_grad
 
+from zeroc.runtime.mesh import group_device
 from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
 from zeroc.sharded_params import ShardedParam, ZeroState
 
@@ -71,7 +72,7 @@ def pipeline_norm(layout, owned: list[torch.Tensor], norm_type: float,
         if owned:
             local = _plain(_TORCH_TOTAL_NORM(owned, norm_type, False, foreach))
         else:
-            local = torch.zeros((), device=device or torch.device("cpu"))
+            local = torch.zeros((), device=device or group_device())
         group = layout.mesh.pp_group()
         if math.isinf(norm_type):
             total = local.clone()

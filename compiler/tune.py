@@ -37,6 +37,7 @@ from torch import nn
 
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
+from zeroc.runtime.mesh import group_device
 from zeroc.runtime.plan_text import human_bytes
 from zeroc.tune_estimate import estimate_all
 from zeroc.tune_result import Trial, TuneResult
@@ -101,9 +102,13 @@ def _same_inputs(example_inputs: Any) -> Any:
     if world == 1:
         return example_inputs
     values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    device = group_device()  # an NCCL group takes tensors on the rank's GPU only
     for value in values:
         if isinstance(value, torch.Tensor):
-            dist.broadcast(value, src=0)
+            moved = value.to(device)
+            dist.broadcast(moved, src=0)
+            if moved is not value:
+                value.copy_(moved)
     return example_inputs
 
 
@@ -127,7 +132,8 @@ def measure(model: nn.Module, example_inputs: Any, candidate: Candidate, steps: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    median = torch.tensor(statistics.median(times[WARMUP_STEPS:]), dtype=torch.float64)
+    median = torch.tensor(statistics.median(times[WARMUP_STEPS:]), dtype=torch.float64,
+                          device=group_device())
     if _world()[0] > 1:
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
     torch._dynamo.reset()
@@ -137,7 +143,7 @@ def measure(model: nn.Module, example_inputs: Any, candidate: Candidate, steps: 
 def _agree_failed(failed: bool) -> bool:
     if _world()[0] == 1:
         return failed
-    flag = torch.tensor(1 if failed else 0)
+    flag = torch.tensor(1 if failed else 0, device=group_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 

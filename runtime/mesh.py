@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from zeroc.runtime import shutdown
+from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["Mesh", "build_mesh", "group_device", "resolve_group"]
 
@@ -79,12 +80,19 @@ def group_device() -> torch.device:
     ``init_process_group()`` and no backend torch reports ``"undefined"`` and configures
     ``"cpu:gloo,cuda:nccl"``. CUDA (the current device, set from ``LOCAL_RANK`` by the
     launcher's script) when the group routes CUDA tensors to NCCL and this process sees a
-    GPU; the CPU otherwise (gloo, or no process group)."""
+    GPU; the CPU otherwise (gloo, or no process group). In a planned world
+    (``zeroc.fake_world``), the device it plans for."""
+    if PLANNING.device is not None:
+        return PLANNING.device
     if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
         return torch.device("cpu")
     get_config = getattr(dist, "get_backend_config", None)
     config = str(get_config()) if get_config is not None else str(dist.get_backend())
-    if "nccl" not in config:
+    # "cpu:gloo,cuda:nccl", "cuda:nccl", or a bare name ("nccl") on older torch: the
+    # backend CUDA tensors are routed to, if it is a GPU one (gloo stages them on the CPU).
+    routes = dict(part.split(":", 1) for part in config.lower().split(",") if ":" in part)
+    cuda_backend = routes.get("cuda", config.strip().lower() if not routes else "")
+    if cuda_backend in ("", "gloo", "undefined"):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 

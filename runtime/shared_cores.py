@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from zeroc.runtime.errors import OptionError
+from zeroc.runtime.mesh import group_device
 
 __all__ = ["check_shared_slowdown", "measure_shared_slowdown", "no_spare_cores",
            "slowdown_for"]
@@ -90,7 +91,7 @@ def measure_shared_slowdown(group: dist.ProcessGroup, seconds: float) -> float:
                 alone = _median_seconds(run, seconds)
         dist.barrier(group=group)
         together = _median_seconds(run, seconds)
-    factor = torch.tensor([together / alone], dtype=torch.float64)
+    factor = torch.tensor([together / alone], dtype=torch.float64, device=group_device())
     dist.all_reduce(factor, op=dist.ReduceOp.MAX, group=group)
     return max(1.0, float(factor))
 
