@@ -4,7 +4,7 @@
 batch (every micro-batch's forward and backward) inside the forward call and returns the
 model's outputs with the mean loss. With gradients on, the step runs inside ``_TrainStep``,
 an autograd function whose backward hands the step's kept parameter gradients to autograd
-(scaled by the incoming gradient unless it is ``loss.backward()``'s 1), so the user's
+(scaled in place by the incoming gradient, on the device), so the user's
 ``loss.backward()`` and optimizer see ordinary ``.grad``s.
 
 Gradient accumulation without sync (``model.set_requires_gradient_sync(False)``,
@@ -35,7 +35,6 @@ import torch
 
 from zeroc.passes.loss_output import LossOutput
 from zeroc.runtime.pipeline_executor import PipelineExecutor
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.sharded_params import STATE_ATTR, ZeroState
 
 __all__ = ["PipelinedStep"]
@@ -58,16 +57,26 @@ class _TrainStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        if (not PLANNING.simulated and grad_loss.numel() == 1
-                and float(grad_loss) == 1.0):  # loss.backward(): the gradients as they are
-            scaled = ctx.grads
-        else:
-            scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        scaled = _scale_in_place(ctx.grads, grad_loss)
         step, inputs, mode = ctx.step, ctx.inputs, ctx.mode
         ctx.grads = ctx.step = ctx.inputs = None
         if mode != SYNC:
             scaled = step.accumulate(inputs, scaled, flush=mode == FLUSH)
         return (None, None, None, *scaled)
+
+
+def _scale_in_place(grads: list[torch.Tensor | None],
+                    factor: torch.Tensor) -> list[torch.Tensor | None]:
+    """``grads`` (the step's own tensors, which nothing else reads) times the incoming
+    gradient, in place: one foreach multiply per dtype and device. Multiplying by
+    ``loss.backward()``'s 1 too: telling it apart would read the device's value on the host."""
+    groups: dict[tuple[torch.dtype, torch.device], dict[int, torch.Tensor]] = {}
+    for grad in grads:
+        if grad is not None:  # once per tensor, should one be returned for two inputs
+            groups.setdefault((grad.dtype, grad.device), {})[id(grad)] = grad
+    for (dtype, device), tensors in groups.items():
+        torch._foreach_mul_(list(tensors.values()), factor.detach().to(device, dtype))
+    return grads
 
 
 class PipelinedStep:

@@ -39,6 +39,7 @@ from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
 from zeroc.runtime.mesh import group_device
 from zeroc.runtime.plan_text import human_bytes
+from zeroc.runtime.step_clock import RegionTimer
 from zeroc.tune_estimate import estimate_all
 from zeroc.tune_result import Trial, TuneResult
 from zeroc.tune_space import (
@@ -112,6 +113,12 @@ def _same_inputs(example_inputs: Any) -> Any:
     return example_inputs
 
 
+def _trial_device(model: nn.Module) -> torch.device:
+    """Where a trial's parameters live (the device whose work ``measure`` times)."""
+    return next((p.device for p in model.parameters() if not p.is_meta),
+                torch.device("cpu"))
+
+
 MEASURE_BUDGET_S = 300.0  # default seconds for tuning the world at hand
 WARMUP_STEPS = 2  # the compiling step and one more (a recompile after the first step)
 
@@ -125,13 +132,13 @@ def measure(model: nn.Module, example_inputs: Any, candidate: Candidate, steps: 
     trial = parallelize(copy.deepcopy(model), zero=candidate.zero, pp=candidate.pp)
     compiled = torch.compile(trial, backend="zeroc", options=candidate.options_dict())
     optimizer = torch.optim.AdamW(trial.parameters(), lr=1e-4)
-    times = []
+    timer = RegionTimer(_trial_device(trial))  # on CUDA: the device's time (events)
     for _ in range(steps + WARMUP_STEPS):
-        start = time.perf_counter()
-        _call(compiled, example_inputs).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+        with timer.region():
+            _call(compiled, example_inputs).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    times = timer.seconds()
     median = torch.tensor(statistics.median(times[WARMUP_STEPS:]), dtype=torch.float64,
                           device=group_device())
     if _world()[0] > 1:

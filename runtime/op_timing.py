@@ -10,7 +10,8 @@ in the plan's ``NodeCost.call`` (while planning); ``OpTimes.seconds`` rebuilds t
 real tensors (random floats, zero integers: valid indices and targets for every op that reads
 them), runs it a few times and keeps the median, once per distinct call. Results persist under
 ``<cache_dir>/op_times/``, keyed by CPU model, core count, torch version, thread count and
-the timing method, so a second plan of the same shapes measures nothing. Between two timed
+the timing method, so a second plan of the same shapes measures nothing (each call on the
+host clock; on a CUDA device, its device time between two events). Between two timed
 calls 1 MiB is written: in a graph other ops run between two calls of one op, so its
 inputs are not all in the core's own cache (timed back to back, matmuls and small pointwise
 ops ran up to 5x faster than inside the graph; with 8 MiB written they ran up to 2x slower).
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 from zeroc.runtime.calibration import write_json
 from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
 from zeroc.runtime.shared_cores import no_spare_cores, slowdown_for
+from zeroc.runtime.step_clock import RegionTimer
 
 __all__ = ["OpTimes", "encode_call", "op_times_for"]
 
@@ -167,21 +169,23 @@ def _time_call(call: str, device: torch.device) -> float | None:
             kwargs = _decode(spec["kwargs"], device)
         with torch.no_grad(), unset_fake_temporarily():
             target(*args, **kwargs)  # warm-up (and the check that it runs at all)
-            flush = torch.empty(_FLUSH_BYTES // 4)
-            times: list[float] = []
+            flush = torch.empty(_FLUSH_BYTES // 4, device=device)
+            timer = RegionTimer(device)  # on CUDA: the device's time of each call (events)
+            calls = 0
             kept: list[Any] = []  # outputs held, so each call writes memory not yet touched
             kept_bytes = 0
             deadline = time.perf_counter() + _MAX_SECONDS
-            while len(times) < _MAX_CALLS and (len(times) < 3 or time.perf_counter() < deadline):
+            while calls < _MAX_CALLS and (calls < 3 or time.perf_counter() < deadline):
                 flush.zero_()  # in a graph an op's inputs were written by others, not by it
-                start = time.perf_counter()
-                out = target(*args, **kwargs)
-                times.append(time.perf_counter() - start)
+                with timer.region():
+                    out = target(*args, **kwargs)
+                calls += 1
                 kept.append(out)
                 kept_bytes += sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
                                   if isinstance(t, torch.Tensor))
                 if kept_bytes > _KEPT_BYTES:
                     kept, kept_bytes = [], 0
+            times = timer.seconds()
     except Exception as error:  # an op that needs real values, or arguments we cannot rebuild
         log.debug("op timing: %s did not run on rebuilt inputs (%s)", spec["op"], error)
         return None

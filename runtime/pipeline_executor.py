@@ -22,7 +22,8 @@ else ``StepZero.reduce``): the gradient of the replicas' mean loss, as in DDP. P
 gradients accumulate over micro-batches and are then summed over the pipeline positions holding
 the same parameter (``p2p.exchange_and_sum``). A micro-batch's first gradient of a parameter is
 kept as the graph returned it when it is a fresh tensor, else copied. The step's all-gather
-gives every rank its replica's loss and every rank's action timings (the measured timeline).
+gives every rank its replica's loss (a device tensor) and, read when the next call ends, every
+rank's action timings (the measured timeline) and batch digests: no step waits for the device.
 
 Profiling. While a ``torch.profiler`` records (checked once per step), the step runs inside
 ``record_function("zeroc/pipeline_step")``, each action group inside ``zeroc/<group label>``
@@ -46,7 +47,7 @@ from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
 from zeroc.runtime.pipeline_program import PipelineLayout, StageProgram
-from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label
+from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
 from zeroc.runtime.pipeline_zero import StepZero
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.step_clock import StepClock
@@ -68,8 +69,8 @@ class PipelineExecutor:
     def __init__(self, layout: PipelineLayout, stages: dict[int, StageProgram]) -> None:
         self.layout = layout
         self.stages, self.last_stage = stages, layout.schedule.num_stages - 1
-        self.timings: StepTimings | None = None
         self.steps = 0
+        self._clock: StepClock | None = None  # made at the first step, on its device
         self.zero = StepZero(layout.hoisted, {s: p.param_inputs for s, p in stages.items()},
                              layout.bucket_mb) if layout.hoisted else None
         self.groups = {
@@ -95,6 +96,13 @@ class PipelineExecutor:
         log.debug("zeroc: pipeline position %d runs stages %s: %d action groups per step",
                   position, sorted(stages), len(self.groups[True][position]))
 
+    @property
+    def timings(self) -> StepTimings | None:
+        """Every rank's action timings of the latest timed step (``runtime/pipeline_sync``):
+        reads the rows not read yet, waiting for the device if need be (the plan asks)."""
+        read_rows(wait=True, when="the last call")
+        return self.sync.timings
+
     def run(self, inputs: list[Any], train: bool,
             reduce: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run the step on the model's flat inputs; return (mean loss, parameter gradients).
@@ -117,14 +125,16 @@ class PipelineExecutor:
         tensor = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         self._step_device = device = tensor.device if tensor is not None else torch.device("cpu")
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
-        self._scale = self.sync.loss_scale(inputs)
+        self._scale = self.sync.loss_scale(inputs, device)
         if self.zero is not None:
             self.zero.begin()
         self.messages.begin(device)
         self._inbox_f, self._inbox_b = self.messages.inbox["F"], self.messages.inbox["B"]
         my_groups = self.groups[train][self.layout.position]
         plans = self.plans[train]
-        clock = StepClock(device, PLANNING.simulated)
+        if self._clock is None:
+            self._clock = StepClock(device, PLANNING.simulated)
+        clock = self._clock
         marks: list[Any] = []  # per group: start, compute start (after waiting), end
         names = self.profile_names[train] if profiling() else None
         with torch.no_grad(), tracking_scope():
@@ -135,9 +145,9 @@ class PipelineExecutor:
                     with record(names[position]):
                         self._run_group(position, group, plans, clock, marks)
             self.messages.end()
+            clock.step_done(marks, train)
             with record(_SYNC):
-                loss, self.timings = self.sync.finish(self._loss, clock.seconds(marks), train,
-                                                      inputs, self._scale)
+                loss = self.sync.finish(self._loss, clock, train, inputs, self._scale)
             grads = self._grads
             if train and reduce:  # once per step, after the last backward
                 grads = self.reduce_gradients(grads, inputs)
@@ -259,7 +269,7 @@ class PipelineExecutor:
             if i < len(program.out_keys):
                 tangents.append(grads_in[program.out_keys[i]])
             else:  # 1 / this replica's denominator, before any dp average (module docstring)
-                tangents.append(torch.full((), self._scale, device=self._step_device))
+                tangents.append(self._scale.tangent(self._step_device))
         return saved + tangents
 
     def backward_results(self, stage: int, microbatch: int, grads: tuple,

@@ -3,8 +3,9 @@
 ``PLANNING.skip_init``: ``zeroc.meta_init`` allocates a meta model's tensors without running
 any initializer (fake tensors have no values, and random initializers need a real device).
 ``PLANNING.device``: the device ``zeroc.parallelize`` allocates on (a fake ``cuda`` device on a
-machine that has none). ``PLANNING.simulated``: the pipeline executor neither reads values
-(losses, timings, batch digests) nor uses CUDA events, and times with the host clock.
+machine that has none). ``PLANNING.simulated``: the pipeline executor uses no CUDA events
+(it times with the host clock) and replays its stage graphs (``zeroc.runtime.fake_replay``);
+the values its step computes as a real one does (loss, timings, batch digest) are never read.
 Thread-local, set only inside ``zeroc.fake_world.fake_world``.
 
 ``PLANNING.shared``: while ``zeroc.world_plan.plan_world`` plans the positions of one world,
