@@ -33,6 +33,7 @@ from torch import nn
 
 from zeroc.meta_init import materialize_direct
 from zeroc.runtime.mesh import Mesh
+from zeroc.runtime.step_memory import note_resized
 from zeroc.runtime.zero_ops import shard_of
 from zeroc.sharded_params import SHARD_PREFIX, ShardedParam
 from zeroc.stage_holding import release
@@ -148,6 +149,7 @@ def restore(sharded: ShardedParam, full: torch.Tensor, mesh: Mesh) -> None:
         content = full.reshape(-1)
     storage = flat.untyped_storage()
     storage.resize_(flat.numel() * flat.element_size())
+    note_resized(flat)
     with torch.no_grad():
         flat.copy_(content.to(flat.dtype))
         local = sharded.local_view(flat.detach())

@@ -30,6 +30,8 @@ from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
+from zeroc.runtime.step_memory import note_made
+
 __all__ = ["active_fake_mode", "fake_empty", "fake_flat", "fake_visible"]
 
 
@@ -59,8 +61,11 @@ def fake_empty(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype,
 def fake_flat(mode: FakeTensorMode, numel: int, dtype: torch.dtype, device: torch.device,
               requires_grad: bool) -> nn.Parameter:
     """``nn.Parameter(torch.empty(numel, dtype=dtype, device=device), requires_grad)`` on
-    ``mode``'s fake tensors."""
-    return _as_parameter(fake_empty(mode, (numel,), dtype, device), requires_grad)
+    ``mode``'s fake tensors. A whole-run ledger (``zeroc.device_allocations``) counts it as
+    the op would have been counted."""
+    flat = _as_parameter(fake_empty(mode, (numel,), dtype, device), requires_grad)
+    note_made(flat, "parameter shard")
+    return flat
 
 
 def fake_visible(mode: FakeTensorMode, sharded: Any) -> nn.Parameter:

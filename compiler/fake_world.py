@@ -163,38 +163,45 @@ def _storage_bytes(tensors: list[Any]) -> int:
     return total
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Parameters, gradients and optimizer state this rank holds, from the tensors."""
+def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[Any]]:
     state = model.__dict__.get("_zeroc_state")
     flats = [s.flat for s in state.params] if state is not None else list(model.parameters())
-    return {
-        "params": _storage_bytes(flats),
-        "grads": _storage_bytes([p.grad for p in model.parameters()]),
-        "optimizer": _storage_bytes([v for st in optimizer.state.values()
-                                     for v in st.values() if getattr(v, "dim", lambda: 0)()]),
-    }
+    return {"params": flats, "grads": [p.grad for p in model.parameters()],
+            "optimizer": [v for st in optimizer.state.values() for v in st.values()
+                          if getattr(v, "dim", lambda: 0)()]}
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameters, gradients and optimizer state this rank holds, from the tensors."""
+    return {kind: _storage_bytes(tensors) for kind, tensors in _held(model, optimizer).items()}
 
 
 def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                   args: tuple, kwargs: dict, backward: Any) -> dict[str, int]:
     """One training step measured by ``StepMemory``: at rest (after it, before
-    ``zero_grad``) and the peak (parameters at rest + the optimizer state it started with +
-    the most bytes alive during it). Parameters at rest are those held after the step: a
-    step that compiles releases, as it compiles, the parameters other pipeline positions
-    hold, which the rank never holds while it trains."""
+    ``zero_grad``) and the peak of a step in the steady state, every step after the first:
+    parameters at rest + the most of (the optimizer state after the step + the most bytes
+    alive during the forward and backward; the optimizer state it started with + the most
+    bytes alive during the whole step, the optimizer's own step included, which makes the
+    state on a first step). Parameters at rest are those held after the step: a step that
+    compiles releases, as it compiles, the parameters other pipeline positions hold, which
+    the rank never holds while it trains."""
     from zeroc.runtime.step_memory import StepMemory
 
     optimizer.zero_grad(set_to_none=True)
     before = held_bytes(model, optimizer)
     tracker = StepMemory()
+    tracker.held(t for tensors in _held(model, optimizer).values() for t in tensors)
     with tracker.active():
         loss = loss_of(compiled(*args, **kwargs))
         backward(loss)
         del loss
+        forward_backward = tracker.peak
         with tracker:
             optimizer.step()
     after = held_bytes(model, optimizer)
-    return {**after, "peak": after["params"] + before["optimizer"] + tracker.peak}
+    return {**after, "peak": after["params"] + max(after["optimizer"] + forward_backward,
+                                                    before["optimizer"] + tracker.peak)}
 
 
 def _backward_for(device: str) -> Any:

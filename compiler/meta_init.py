@@ -33,7 +33,7 @@ from collections.abc import Callable, Container
 import torch
 from torch import nn
 
-from zeroc.fake_params import active_fake_mode, fake_empty
+from zeroc.fake_params import active_fake_mode
 from zeroc.meta_skeleton import WriteTracker, empty_like, skeleton, storage_id, swapped
 from zeroc.runtime.planning_state import PLANNING
 
@@ -300,9 +300,10 @@ def materialize_direct(
         for name, tensor, is_buffer in metas:
             if is_buffer:
                 module._buffers[name] = empty_like(tensor, device)
+        # In the fake world only the shard is made (``parallelize``: on the planned device);
+        # a full-size tensor there would stand for device memory no real rank needs.
         mode = active_fake_mode()
-        return {n: torch.empty(t.shape, dtype=t.dtype, device=device) if mode is None else
-                fake_empty(mode, tuple(t.shape), t.dtype, torch.device(device))
+        return {n: torch.empty(t.shape, dtype=t.dtype, device=device if mode is None else "meta")
                 for n, t, is_buffer in metas if not is_buffer and id(t) not in done}
     plan = _plan_for(model, init_fn)
     if any(s in ("init_fn", "hook") for s, _, _ in plan.stages.get(id(module), ())):

@@ -347,13 +347,18 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
     dp, index = mesh.dp, mesh.dp_index
     # Planning: fake tensors hold no values, so the shard is only its size (a world of 64
     # ranks makes hundreds of them per pipeline position), made without dispatching an op.
+    # No rank makes the whole parameter there: ``full`` is a meta tensor (``meta_init``),
+    # or, for the dispatched reference (``tests/test_fake_params.py``), a fake made here.
     fake_mode = active_fake_mode() if PLANNING.simulated else None
+    if full.is_meta and PLANNING.device is not None and fake_mode is None:
+        full = torch.empty(full.shape, dtype=full.dtype, device=PLANNING.device)
+    device = PLANNING.device if full.is_meta else full.device
     if op_stage in (2, 3):
         padded, offset = padded_numel_for(shape, dp), 0
-        flat = (fake_flat(fake_mode, padded // dp, full.dtype, full.device, param.requires_grad)
+        flat = (fake_flat(fake_mode, padded // dp, full.dtype, device, param.requires_grad)
                 if fake_mode is not None else shard_of(full, dp, index))
     else:
-        flat = (fake_flat(fake_mode, numel, full.dtype, full.device, param.requires_grad)
+        flat = (fake_flat(fake_mode, numel, full.dtype, device, param.requires_grad)
                 if fake_mode is not None else full.detach().reshape(-1).clone())
         padded = numel
         offset = index * rows_per_shard(shape, dp) * row_numel(shape) if placement == "shard" else 0

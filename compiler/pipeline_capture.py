@@ -8,8 +8,9 @@
 2. The graph is cut into stages (``passes/split_stages.py``): ``pp`` stages, ``2 * pp`` for
    DualPipeV.
 3. Each stage this rank holds gets its joint graph from AOTAutograd
-   (``aot_export_joint_simple``), the joint passes, the forward/backward partition and the
-   graph passes (ZeRO lowering, fusion), and its backward is split into I and W
+   (``aot_export_joint_simple``, on fake tensors: ``zeroc.stage_trace``), the joint passes,
+   the forward/backward partition and the graph passes (ZeRO lowering, fusion), and its
+   backward is split into I and W
    (``passes/split_weight_grad.py``); F&B graphs are built for overlapped actions
    (``passes/overlap_fb.py``).
 4. The schedule is built and lowered with p2p actions; the result is a ``PipelinedStep``.
@@ -21,7 +22,6 @@ multiplies them by the incoming gradient. Under ``torch.no_grad()`` only forward
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -40,7 +40,6 @@ from zeroc.grad_coverage import check_stages
 from zeroc.log_setup import CompileProgress, decisions
 from zeroc.passes.base import PassContext, graph_module, graph_text, pass_infos, run_passes
 from zeroc.passes.comm_lowering import lower_communication
-from zeroc.passes.hoist_unshard import full_size_inputs
 from zeroc.passes.overlap_fb import overlap_forward_backward
 from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
 from zeroc.passes.specialize_shapes import size_inputs
@@ -62,6 +61,7 @@ from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
 from zeroc.stage_holding import keep_only
 from zeroc.stage_kernels import compile_stages_with_inductor, inductor_after
+from zeroc.stage_trace import LazyInference, StageTrace
 
 LAYOUT_ATTR = "_zeroc_layout"
 
@@ -175,11 +175,12 @@ def _compile_pipeline(
     position = layout.mesh.pp_index
     session.add(record)
     mine = [s for s, ranks in enumerate(schedule.placement) if position in ranks]
-    # The hoisted parameters this position's stages read: the stage graphs are traced on
-    # full-size ones, and the executor gathers these once per step.
+    # The hoisted parameters this position's stages read: the executor gathers these once
+    # per step, and the stage graphs are traced on fake full-size ones (no device memory).
     read_here = {i for s in mine for i in split.stages[s].param_inputs}
     hoisted_here = {i: h for i, h in hoisted.items() if i in read_here}
-    real_inputs, example_inputs = example_inputs, full_size_inputs(example_inputs, hoisted_here)
+    trace = StageTrace(example_inputs, hoisted_here,
+                       read_here | {i for s in mine for i in split.stages[s].local_inputs})
     record.device = str(device)
     record.zero = layout.zero
     record.zero_group = layout.dp_group_name
@@ -190,8 +191,8 @@ def _compile_pipeline(
     for k, s in enumerate(mine):
         progress.step("stage %d of %d on this rank (s%d of %d)", k + 1, len(mine), s,
                       schedule.num_stages)
-        programs[s] = _compile_stage(split, s, example_inputs, batch_inputs,
-                                     batch // microbatches, config, record, names, device, path)
+        programs[s] = _compile_stage(split, s, trace, batch_inputs, batch // microbatches,
+                                     config, record, names, device, path)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("zeroc: %s.s%d compiled in %.2f s: %s", prefix, s, progress.lap(),
                       decisions(p for p in record.passes if p.graph.startswith(f"{prefix}.s{s}.")))
@@ -199,7 +200,7 @@ def _compile_pipeline(
     # only through integer ops): they get none, as in eager, instead of zeros.
     without_gradient = check_stages(
         front.split.stages, programs, front.differentiated,
-        {i: names[i] for i in params if real_inputs[i].requires_grad})
+        {i: names[i] for i in params if example_inputs[i].requires_grad})
     if any(a.kind is ActionKind.FB for a in schedule.actions[position]):
         for a in schedule.actions[position]:
             if a.kind is ActionKind.FB and a.b_stage not in programs[a.stage].overlapped:
@@ -211,7 +212,6 @@ def _compile_pipeline(
     for spec in split.stages:
         for index in spec.param_inputs:
             holders.setdefault(index, set()).update(schedule.placement[spec.index])
-    example_inputs = real_inputs  # the stage graphs are traced; the rest reads the real ones
     for index, positions in holders.items():
         setattr(example_inputs[index], PP_SOURCE_ATTR, min(positions))
     # A parameter no stage reads stays at position 0 (so checkpoints keep it).
@@ -282,24 +282,33 @@ def _forward_only(schedule: Schedule) -> Schedule:
         for rank_actions in schedule.actions))
 
 
-def _example_args(split: StageSplit, index: int, inputs: list[Any], batch_inputs: set[int],
+def _example_args(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
                   microbatch: int) -> list[torch.Tensor]:
     spec = split.stages[index]
+    inputs = trace.inputs
     args = [inputs[i] for i in spec.param_inputs]
     args += [inputs[i][:microbatch] if i in batch_inputs else inputs[i]
              for i in spec.local_inputs]
     for key in spec.in_keys:
         shape, dtype, requires_grad = split.values[key]
-        args.append(torch.zeros(shape, dtype=dtype, device=args[0].device if args else None)
-                    .requires_grad_(requires_grad))
+        args.append(trace.zeros(shape, dtype, args[0].device if args else None, requires_grad))
     return args
 
 
-def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_inputs: set[int],
+def _compile_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
                    microbatch: int, config: Config, record: CompiledGraph, names: list[str],
                    device: torch.device, path: str) -> StageProgram:
+    """Stage ``index``'s graphs, traced on ``trace``'s fake tensors (``zeroc.stage_trace``)."""
+    with trace.tracing():
+        return _traced_stage(split, index, trace, batch_inputs, microbatch, config, record,
+                             names, device, path)
+
+
+def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
+                  microbatch: int, config: Config, record: CompiledGraph, names: list[str],
+                  device: torch.device, path: str) -> StageProgram:
     spec = split.stages[index]
-    args = _example_args(split, index, inputs, batch_inputs, microbatch)
+    args = _example_args(split, index, trace, batch_inputs, microbatch)
     # Inductor lowers the graphs traced with its own decompositions (zeroc's kernels need none).
     decompositions = inductor_decompositions() if path == "inductor" else None
     stage_name = f"{record.prefix}.s{index}"
@@ -325,8 +334,8 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     def inference_passes(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return passes(graph, "inference", graph_passes(path))
 
-    inference = _LazyInference(
-        spec.gm, args, inference_passes if path != "inductor" or PLANNING.simulated else
+    inference = LazyInference(
+        spec.gm, args, trace, inference_passes if path != "inductor" or PLANNING.simulated else
         inductor_after(inference_passes, f"{stage_name}.inference", record,
                        config.kernel_autotune),
         decompositions)
@@ -335,7 +344,7 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     if reused is not None:
         return reused
     before = stage_reuse.counts(record)
-    with torch.enable_grad():  # a no_grad recompile still builds the training graphs
+    with torch.enable_grad(), trace.mode:  # a no_grad recompile still builds these graphs
         joint = aot_export_joint_simple(spec.gm, args, trace_joint=True,
                                         decompositions=decompositions)
     # The passes recompile each graph after each pass; its code is made once, when it runs.
@@ -368,33 +377,3 @@ def _compile_stage(split: StageSplit, index: int, inputs: list[Any], batch_input
     )
     stage_reuse.keep(key, program, record, before)
     return program
-
-
-class _LazyInference:
-    """A stage's forward-only graph, traced and compiled on its first ``no_grad`` call.
-
-    Traced without the joint: nothing is saved for a backward, and the fused loss computes no
-    head gradients (``need_grad=False``)."""
-
-    def __init__(self, stage_gm: torch.fx.GraphModule, args: list[Any],
-                 compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
-                 decompositions: dict[Any, Any] | None = None) -> None:
-        self.stage_gm = stage_gm
-        self.decompositions = decompositions
-        self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        self.compile_graph = compile_graph
-        self.graph: Callable[..., Any] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.graph is None:
-            gm = torch.fx.GraphModule(self.stage_gm, copy.deepcopy(self.stage_gm.graph))
-            for node in gm.graph.nodes:
-                if node.target is torch.ops.zeroc.linear_cross_entropy.default:
-                    node.args = (*node.args[:7], False)
-            gm.recompile()
-            with torch.no_grad():
-                traced = aot_export_joint_simple(gm, self.args, trace_joint=False,
-                                                 decompositions=self.decompositions)
-            self.graph = self.compile_graph(traced)
-            self.stage_gm = self.args = None  # type: ignore[assignment]
-        return self.graph(*args)

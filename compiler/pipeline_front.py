@@ -34,7 +34,7 @@ import zeroc.runtime as zeroc_runtime
 from zeroc.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.config import Config
 from zeroc.grad_coverage import differentiated_inputs
-from zeroc.passes.hoist_unshard import HoistedParam, full_size_inputs, hoist_unshards
+from zeroc.passes.hoist_unshard import HoistedParam, hoist_unshards
 from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.loss_output import LossOutput, keep_loss_output
 from zeroc.passes.microbatch_shapes import microbatch_graph
@@ -51,6 +51,7 @@ from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import ParamInfo, PassInfo
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph
+from zeroc.stage_trace import full_size_fakes
 
 __all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "FrontBuilt", "PipelineFront",
            "default_microbatches",
@@ -350,7 +351,7 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
             normalization = dataclasses.replace(micro, denominator=None)
     # ZeRO once per step: the stage graphs read and differentiate full parameters.
     hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
-    mgraph = microbatch_graph(gm, full_size_inputs(example_inputs, hoisted), batch_inputs,
+    mgraph = microbatch_graph(gm, full_size_fakes(example_inputs, hoisted), batch_inputs,
                               size, microbatch)
     split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     return PipelineFront(

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroc.runtime.step_memory import note_resized
 from zeroc.sharded_params import SAVE_SETTINGS, ShardedParam, state_of
 
 __all__ = ["FLAT_SHARDED_ATTR", "all_parameters", "install_state_dict_hooks", "keep_only",
@@ -60,6 +61,7 @@ def release(sharded: ShardedParam) -> None:
             local = visible._local_tensor
             visible._local_tensor = torch.empty(local.shape, dtype=local.dtype, device="meta")
         sharded.flat.untyped_storage().resize_(0)
+    note_resized(sharded.flat)
     sharded.held = False
 
 

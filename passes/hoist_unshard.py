@@ -11,8 +11,8 @@ gradient the stage graphs return whole. The executor gathers and reduces once pe
 input. An unshard of anything else stays in the graph. A pipeline never traces an
 unsynchronised accumulation (``pending``): its step keeps those sums itself.
 
-``full_size_inputs`` gives the example inputs the stage graphs are traced with: hoisted
-parameters become full-size parameters (``torch.empty``: their pages are never touched).
+The stage graphs are then traced on fake full-size parameters of a fake tensor mode of their
+own (``zeroc.stage_trace``), never on tensors of the rank's device.
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch import nn
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard)
 from zeroc.passes.microbatch_shapes import HOISTED_VALUE, SPECIALIZED_RUN
 from zeroc.runtime.pipeline_zero import HoistedParam
 
-__all__ = ["full_size_inputs", "hoist_unshards"]
+__all__ = ["hoist_unshards"]
 
 UNSHARD = torch.ops.zeroc.unshard
 _ARGS = ("shard", "shape", "numel", "group_name", "zero_stage", "param_dtype", "reduce_dtype",
@@ -77,14 +76,3 @@ def hoist_unshards(gm: torch.fx.GraphModule, params: set[int],
         gm.graph.erase_node(node)
     gm.recompile()
     return hoisted
-
-
-def full_size_inputs(inputs: list[Any], hoisted: dict[int, HoistedParam]) -> list[Any]:
-    """``inputs`` with each hoisted parameter replaced by an untouched full-size parameter."""
-    out = list(inputs)
-    for index, spec in hoisted.items():
-        shard = inputs[index]
-        full = torch.empty(spec.shape, dtype=spec.param_dtype or shard.dtype,
-                           device=shard.device)
-        out[index] = nn.Parameter(full, requires_grad=shard.requires_grad)
-    return out

@@ -12,10 +12,11 @@ share storage) and records:
 - the most bytes alive at once among the storages the graph made, and which of its inputs'
   storages an op gave out (a ``StepMemory`` tracker counts those when it first sees them).
 
-A later call with the same signature shows the step's tracker the inputs' storages it gave
-out, raises the tracker's peak by the recorded transient and makes the outputs again (fresh
-fake storages of the recorded sizes, the same views of its own inputs), so the step's memory
-figures are those of running the graph: the same storages live after it, the same peak.
+A later call with the same signature shows the step's tracker (and any whole-run ledger:
+``step_memory.note_made``) the inputs' storages it gave out, raises their peaks by the
+recorded transient and makes the outputs again (fresh fake storages of the recorded sizes,
+the same views of its own inputs), so the step's memory figures are those of running the
+graph: the same storages live after it, the same peak.
 
 Only graphs that are pure on plain fake tensors are replayed: no collective or ZeRO op
 inside (those must be issued every time), no input or output that is a tensor subclass or
@@ -34,7 +35,12 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zeroc.runtime.step_memory import StepMemory, current_tracker
+from zeroc.runtime.step_memory import (
+    StepMemory,
+    allocation_label,
+    note_made,
+    note_transient,
+)
 
 __all__ = ["adds_nothing", "call", "is_view", "learned", "replayable"]
 
@@ -203,16 +209,14 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
     metas: dict[int, torch.Tensor] = {}  # each fresh storage's meta tensor
     made: dict[int, torch.Tensor] = {}
     mode = next(a.fake_mode for a in args if isinstance(a, FakeTensor))
-    tracker = current_tracker()
 
     def allocate(size: tuple[int, ...], stride: tuple[int, ...], out: _Fresh) -> torch.Tensor:
         # As fake tensor mode makes an op's output, without dispatching an op (a third of
-        # the time); the step's tracker is told of it as it would see it.
+        # the time); the trackers are told of it as they would see it.
         meta = metas[out.group] = torch.empty_strided(size, stride, dtype=out.dtype,
                                                       device="meta")
         tensor = FakeTensor(mode, meta, out.device)
-        if tracker is not None:
-            tracker.note(tensor)
+        note_made(tensor)
         return tensor
 
     def view(out: _Fresh) -> torch.Tensor:
@@ -287,6 +291,11 @@ class _GraphMemory(StepMemory):
 
 def call(graph: Any, *args: Any) -> Any:
     """``graph(*args)``, replayed when it ran before on inputs of the same signature."""
+    with allocation_label("graph"):  # what a stage graph makes, for a whole-run ledger
+        return _call(graph, *args)
+
+
+def _call(graph: Any, *args: Any) -> Any:
     if not replayable(graph):
         return graph(*args)
     signature = _signature(args)
@@ -295,11 +304,9 @@ def call(graph: Any, *args: Any) -> Any:
     records = _RECORDS.setdefault(graph, {})
     record = records.get(signature, False)
     if record:
-        tracker = current_tracker()
-        if tracker is not None:
-            for index in record.touched:
-                tracker.note(args[index])
-            tracker.peak = max(tracker.peak, tracker.live + record.transient)
+        for index in record.touched:
+            note_made(args[index])
+        note_transient(record.transient)
         return _remake(record, args)
     with _GraphMemory(args) as own:  # inside the step's tracker, if any: it sees the run too
         outs = graph(*args)

@@ -39,6 +39,7 @@ from zeroc.runtime.collectives import collective_bytes
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.records import CollectiveInfo
+from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single, group_size
 
 __all__ = ["HoistedParam", "StepZero"]
@@ -154,9 +155,10 @@ class StepZero:
         todo = [(self.hoisted[i], inputs[i]) for i in self.stage_params.get(stage, ())
                 if i not in self.full]
         buckets = _buckets(todo, self.cap, lambda p, t: p.param_dtype or t.dtype)
-        for n, bucket in enumerate(buckets):
-            self._gather_bucket(bucket, f"{PROFILE_PREFIX}step_gather_s{stage}_{n}"
-                                if profiling() else "")
+        with allocation_label("gather"):  # the full parameters are made here, and only here
+            for n, bucket in enumerate(buckets):
+                self._gather_bucket(bucket, f"{PROFILE_PREFIX}step_gather_s{stage}_{n}"
+                                    if profiling() else "")
 
     def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
                        profile_name: str = "") -> None:
@@ -183,6 +185,10 @@ class StepZero:
 
     def reduce(self, grads: dict[int, torch.Tensor], inputs: list[Any]) -> None:
         """Replace each hoisted full gradient in ``grads`` by this rank's reduced shard."""
+        with allocation_label("gradient"):
+            self._reduce(grads, inputs)
+
+    def _reduce(self, grads: dict[int, torch.Tensor], inputs: list[Any]) -> None:
         todo = []
         for index in sorted(i for i in grads if i in self.hoisted):
             param = self.hoisted[index]
