@@ -53,15 +53,15 @@ CONFIGS = tuple(name for pair in PAIRS for name in pair)
 
 def _warm_up(backend: str) -> None:
     """Compile a toy function so imports and one-time setup are not timed."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(lambda x: (x * 2).sum(), backend=backend)(torch.ones(4, requires_grad=True))
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 def _zero3(setup: Setup, name: str):
     import zeroc
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = GPT(setup.model, seed=0)
     if name == "zeroc_zero3":
         model = zeroc.parallelize(model, zero=3)
@@ -83,7 +83,7 @@ def _zero3(setup: Setup, name: str):
 def _dualpipev(setup: Setup, name: str, rank: int, world: int):
     import zeroc
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     stages = 2 * world
     if name == "zeroc_dualpipev":
         per = setup.model.n_layer // stages

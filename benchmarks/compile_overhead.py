@@ -75,14 +75,14 @@ def compile_options(name: str) -> dict[str, Any] | None:
 
 def warm_up_backend(backend: str) -> None:
     """Compile and run a tiny function once so the backend's imports are paid before timing."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     weight = torch.ones(4, requires_grad=True)
     toy = torch.compile(
         lambda x: (x * weight).sin().sum(), backend=compile_backend(backend),
         options=compile_options(backend),
     )
     toy(torch.ones(4)).backward()
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 @dataclass
@@ -117,7 +117,7 @@ def compile_and_time_first_step(
     try:
         if backend is not None:
             warm_up_backend(backend)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = GPT(config, seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         run = model

@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= not step["loss_mismatch"] and all(
             s["ran"] or s["skipped"] for s in step["variants"].values())
         gc.collect()
-        torch._dynamo.reset()
+        torch.compiler.reset()
         if device == "cuda":
             torch.cuda.empty_cache()
     if "kernels" in opts.parts:

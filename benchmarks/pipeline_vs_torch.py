@@ -231,7 +231,7 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
     """Build ``config`` on this rank, train, return timings, losses, memory, action times."""
     start_rss = max_rss_mb()
     system, schedule = config.split("_", 1)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = None
     if system.startswith("zeroc"):
         if system == "zeroc-blocking":

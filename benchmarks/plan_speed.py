@@ -47,14 +47,14 @@ def llama(shape: dict, seq: int):
 
 def dynamo_trace_seconds(model, inputs: dict) -> float:
     """Seconds for Dynamo alone to trace ``model`` (a backend that keeps the graph)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from zeroc.runtime.torch_compat import FakeTensorMode
 
     started = time.perf_counter()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in inputs.items()}
         torch.compile(model, backend=lambda gm, ex: gm.forward)(**fake)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return time.perf_counter() - started
 
 

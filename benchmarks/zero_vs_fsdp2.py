@@ -134,7 +134,7 @@ def max_rss_mb() -> float:
 
 def build(name: str, setup: Setup) -> tuple[torch.nn.Module, Any]:
     """The model wrapped as configuration ``name`` and the callable that runs a step's forward."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = GPT(setup.model, seed=0)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel

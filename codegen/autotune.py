@@ -17,10 +17,11 @@ have the same candidate list (the tiles depend only on those powers of two), so 
 valid, and close to best, for every size of its class: a new batch size or sequence length
 in the same bucket reuses it without timing.
 
-Records live in ``<cache_dir>/autotune/<hash of the key>.json`` as ``{"format", "key",
-"config"}``; a record is used only when its key equals the one looked up and its config is one
-of this kernel's candidates. A corrupt or mismatching record is ignored with a warning and
-replaced by the next tuning. Winners are also kept in memory per process
+Records live in ``<cache_dir>/autotune/<hash of the key>.json``, written and read by
+``zeroc.runtime.cached_files`` (the user's own file in private directories, a format version,
+a checksum); a record is used only when its key equals the one looked up and its config is one
+of this kernel's candidates. A corrupt, foreign or mismatching record is ignored with a
+warning and replaced by the next tuning. Winners are also kept in memory per process
 (:func:`clear_memory_cache` empties it).
 """
 
@@ -35,14 +36,15 @@ from collections.abc import Callable
 
 import torch
 
-from zeroc.codegen.cache_files import atomic_write, private_dir, read_json
 from zeroc.codegen.kernel_ir import KernelIR
+from zeroc.runtime.cached_files import private_dir, read_record, resolve_cache_dir, write_record
 
 logger = logging.getLogger(__name__)
 
 INTERPRETER_TILE = 16384
 GPU_MAX_TILE = 16384
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
+RECORD_KIND = "autotune"
 
 _memory: dict[TuneKey, LaunchConfig] = {}
 
@@ -184,37 +186,34 @@ def _record_path(cache_dir: str | None, key: TuneKey) -> str:
     return os.path.join(private_dir(cache_dir, "autotune"), key.file_name())
 
 
+def _check_record(ir: KernelIR) -> Callable[[object], LaunchConfig]:
+    def check(data: object) -> LaunchConfig:
+        config = LaunchConfig.from_json(data)
+        if config not in gpu_candidates(ir):
+            raise ValueError(f"config {config.to_json()} is not a candidate of this kernel")
+        return config
+
+    return check
+
+
 def load_tuned(cache_dir: str | None, key: TuneKey, ir: KernelIR) -> LaunchConfig | None:
     """The winner for ``key``: from memory, else from its record when that is valid."""
     if key in _memory:
         return _memory[key]
     path = _record_path(cache_dir, key)
-    record = read_json(path)
-    if record is None:
-        return None
-    try:
-        if not isinstance(record, dict):
-            raise ValueError(f"a record must be a JSON object, not {record!r}")
-        if record.get("format") != RECORD_FORMAT:
-            raise ValueError(f"format {record.get('format')!r} is not {RECORD_FORMAT}")
-        if record.get("key") != key.to_json():
-            raise ValueError(f"key {record.get('key')!r} is not {key.to_json()!r}")
-        config = LaunchConfig.from_json(record.get("config"))
-        if config not in gpu_candidates(ir):
-            raise ValueError(f"config {config.to_json()} is not a candidate of this kernel")
-    except ValueError as exc:
-        logger.warning("zeroc autotune: ignoring the record %s (%s); it will be replaced",
-                       path, exc)
-        return None
-    _memory[key] = config
+    config = read_record(path, RECORD_KIND, RECORD_FORMAT, key.to_json(), _check_record(ir),
+                         what="autotune record", log=logger, root=resolve_cache_dir(cache_dir),
+                         action="it will be replaced", max_bytes=1 << 16)
+    if config is not None:
+        _memory[key] = config
     return config
 
 
 def save_tuned(cache_dir: str | None, key: TuneKey, config: LaunchConfig) -> str:
     """Persist ``config`` as the winner for ``key`` (atomically); return the record's path."""
     path = _record_path(cache_dir, key)
-    record = {"format": RECORD_FORMAT, "key": key.to_json(), "config": config.to_json()}
-    atomic_write(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    write_record(resolve_cache_dir(cache_dir), path, RECORD_KIND, RECORD_FORMAT, key.to_json(),
+                 config.to_json())
     _memory[key] = config
     return path
 

@@ -6,8 +6,9 @@ the torch and triton versions. The name is predictable, so the file is never tru
 module is imported, the file's content must hash to the source zeroc just generated; a file
 that differs (another version's, a corrupt one, or one planted there) is replaced atomically
 with a warning, and the module then runs the verified source text itself, not a re-read of the
-file. The cache directories are private (``zeroc.codegen.cache_files``: mode 0o700, owned by
-the user, refused otherwise). A module is imported once per process.
+file. A file that another user owns, that group or others can write, or that is a link is
+replaced too. The cache directories are private (``zeroc.runtime.cached_files``: mode 0o700,
+owned by the user, refused otherwise). A module is imported once per process.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import types
 
 import torch
 
-from zeroc.codegen.cache_files import (
+from zeroc.runtime.cached_files import (
     DEFAULT_CACHE_DIR,
     atomic_write,
+    file_problem,
     private_dir,
     read_text,
     resolve_cache_dir,
@@ -75,10 +77,14 @@ def write_source(source: str, cache_dir: str | None) -> str:
     """
     directory = private_dir(cache_dir, "kernels")
     path = os.path.join(directory, f"k{source_hash(source)}.py")
-    found = None if os.path.islink(path) else read_text(path)
+    problem = file_problem(path) if os.path.lexists(path) else "missing"
+    found = read_text(path) if problem is None else None
     if found is not None and content_hash(found) == content_hash(source):
         return path
-    if os.path.lexists(path):
+    if problem not in (None, "missing"):
+        logger.warning("zeroc: kernel cache file %s is not trusted (%s); rewriting it", path,
+                       problem)
+    elif problem is None:
         logger.warning("zeroc: kernel cache file %s does not hold the source zeroc generated "
                        "for it (corrupt, or written by something else); rewriting it", path)
     atomic_write(path, source)

@@ -16,7 +16,6 @@ import os
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 
 from zeroc.codegen import autotune
 from zeroc.codegen.compile_cache import load_kernel, source_hash
@@ -25,6 +24,7 @@ from zeroc.runtime.errors import OptionError
 from zeroc.runtime.executor import PROFILE_PREFIX, record
 from zeroc.runtime.plan import record_launch
 from zeroc.runtime.records import KernelInfo
+from zeroc.runtime.torch_compat import FakeTensor, OpOverload
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _may_alias_an_input(node: object) -> bool:
         return True
     if node.target is operator.getitem:
         return _may_alias_an_input(node.args[0])
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return True
     if all(r.alias_info is None for r in node.target._schema.returns):
         return False  # a fresh result, whatever it reads

@@ -66,7 +66,7 @@ def kernel_path(kernels: str, device: torch.device) -> str:
 
 def inductor_decompositions() -> dict[Any, Any]:
     """The decompositions Inductor expects its input graphs to be traced with."""
-    from torch._inductor.decomposition import select_decomp_table
+    from zeroc.runtime.torch_compat import select_decomp_table
 
     return dict(select_decomp_table())
 
@@ -162,7 +162,7 @@ def _fresh_inputs(gm: torch.fx.GraphModule) -> list[Any]:
     graphs traced separately, so their fake tensors come from different fake modes; Inductor
     needs one. Static shapes only: every pipeline graph is traced at the micro-batch size.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from zeroc.runtime.torch_compat import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs: list[Any] = []
@@ -191,7 +191,7 @@ class InductorGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, name: str,
                  example_inputs: list[Any] | None = None, autotune: bool = False) -> None:
-        from torch._inductor.compile_fx import compile_fx_inner
+        from zeroc.runtime.torch_compat import compile_fx_inner
 
         inputs = _fresh_inputs(gm) if example_inputs is None else example_inputs
         self.name = name
@@ -199,7 +199,7 @@ class InductorGraph:
         self.returns_tuple = _returns_sequence(gm)
         if not self.returns_tuple:
             _make_return_tuple(gm)
-        from torch._inductor import config as inductor_config
+        from zeroc.runtime.torch_compat import inductor_config
 
         # A graph with collectives keeps zeroc's node order: Inductor's locality and
         # peak-memory reorderings would otherwise move a prefetched gather next to its wait.

@@ -1,12 +1,24 @@
 """``python -m zeroc <command>``: ``demo`` trains a small GPT with zeroc and prints its plan;
 ``explain`` plans a job for a world that is not there (``zeroc.explain_cli``); ``tune``
-chooses a layout and options (``zeroc.tune_cli``)."""
+chooses a layout and options (``zeroc.tune_cli``).
+
+``python -m`` puts the current directory first on ``sys.path``; the commands move it last, so
+a file there named like a package zeroc imports later (``filelock.py``) does not replace it,
+while the user's own modules there still import.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = ("demo", "explain", "tune")
+
+
+def _current_directory_last() -> None:
+    here = os.getcwd()
+    found = [p for p in sys.path if p in ("", ".", here)]
+    sys.path[:] = [p for p in sys.path if p not in found] + found
 
 
 def main(argv: list[str]) -> int:
@@ -17,6 +29,7 @@ def main(argv: list[str]) -> int:
               "  tune     choose a layout and options (FILE.py:FACTORY --nproc N --budget S)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    _current_directory_last()
     if command == "demo":
         from zeroc.demo import run_demo
 

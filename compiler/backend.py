@@ -13,10 +13,11 @@ from typing import Any
 
 import torch.fx
 
-from zeroc.capture import compile_dynamo_graph
+from zeroc.capture import compile_dynamo_graph, source_name
 from zeroc.config import Config, pipeline_options_in
 from zeroc.errors import OptionError, passthrough
 from zeroc.grad_coverage import MissingGradientError
+from zeroc.model_changes import ModelChangedError, check_graph_parameters, watch_requires_grad
 from zeroc.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
 from zeroc.runtime.consistency import PlanMismatchError
 from zeroc.runtime.shutdown import drop_captured_groups
@@ -42,24 +43,34 @@ def zeroc_backend(
     try:
         config = Config.build(mode, _with_tuned_options(example_inputs, options))
         session = session_for(find_compile_wrapper(), config)
+        # A parameter added after parallelize, or an unseen requires_grad change: see there.
+        check_graph_parameters([source_name(n) for n in gm.graph.find_nodes(op="placeholder")],
+                               example_inputs)
         layout = pipeline_layout_of(example_inputs)
         log.debug("zeroc: backend: %s, %s", "a pipeline" if layout is not None else
                   "one graph", config)
         if layout is not None:
-            return compile_pipeline(gm, example_inputs, config, session, layout)
-        _warn_unused_pipeline_options(example_inputs, options)
-        return compile_dynamo_graph(gm, example_inputs, config, session)
-    except (OptionError, PipelineError, PlanMismatchError, MissingGradientError) as error:
+            compiled = compile_pipeline(gm, example_inputs, config, session, layout)
+        else:
+            _warn_unused_pipeline_options(example_inputs, options)
+            compiled = compile_dynamo_graph(gm, example_inputs, config, session)
+        return watch_requires_grad(compiled, example_inputs)
+    except (OptionError, PipelineError, PlanMismatchError, MissingGradientError,
+            ModelChangedError) as error:
         raise passthrough(error) from None
 
 
 def _with_tuned_options(example_inputs: list[Any], options: Mapping[str, Any] | None
                         ) -> Mapping[str, Any] | None:
     """``options`` over the tuned ones of a ``parallelize(layout="auto")`` model: the
-    tuner's choices are the defaults, what the user passed wins."""
+    tuner's choices are the defaults, what the user passed wins. They apply only where the
+    model is compiled with inputs of the shapes they were tuned for, and never hold an option
+    that changes what is computed (``zeroc.tune_cache.tuned_options_for``)."""
+    from zeroc.tune_cache import tuned_options_for
+
     layout = next((v._zeroc_layout for v in example_inputs
                    if hasattr(v, "_zeroc_layout")), None)
-    tuned = getattr(layout, "tuned_options", ())
+    tuned = tuned_options_for(layout, example_inputs)
     if not tuned:
         return options
     return {**dict(tuned), **dict(options or {})}

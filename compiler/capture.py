@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from zeroc.codegen.inductor_graphs import InductorGraph, inductor_decompositions, kernel_path
 from zeroc.config import Config
@@ -33,6 +31,11 @@ from zeroc.runtime.cost import graph_info, peak_bytes, tensor_bytes
 from zeroc.runtime.executor import GraphExecutor
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import ParamInfo
+from zeroc.runtime.torch_compat import (
+    aot_autograd,
+    default_partition,
+    min_cut_rematerialization_partition,
+)
 from zeroc.session import CompiledGraph, CompileSession
 
 SOURCE_NAME_META = "zeroc_source_name"

@@ -8,6 +8,7 @@ value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +21,11 @@ PARTITIONERS = ("min_cut", "default")
 ACTIVATION_RECOMPUTE = ("auto", True, False)
 # The pipeline schedules of zeroc.passes.schedule (kept here so the config stays import-light).
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
+# The largest values of the numeric options: a bucket of 1 TiB, a gather issued 4096 buckets
+# ahead (past every bucket of any model), 65536 micro-batches a step.
+MAX_BUCKET_MB = 1 << 20
+MAX_PREFETCH = 4096
+MAX_MICROBATCHES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,10 @@ class Config:
         its last backward (the full parameters and gradients of this rank's stages live for
         the step); ``True`` gathers and reduces inside every micro-batch's graphs (less
         memory, ``microbatches`` times the traffic).
+    unsplit_inputs: with pp > 1, the forward's tensor arguments passed whole to every
+        micro-batch instead of cut along dimension 0 (every other tensor argument is part of
+        the batch), e.g. ``["proj"]`` for a ``forward(x, proj, targets)`` whose ``proj`` is
+        not batch-shaped.
     """
 
     mode: str = "default"
@@ -99,6 +109,7 @@ class Config:
     split_points: tuple[str, ...] | None = None
     loss_reduction: str | None = None
     pp_reshard: bool = False
+    unsplit_inputs: tuple[str, ...] = ()
 
     @staticmethod
     def build(mode: str | None = None, options: Mapping[str, Any] | None = None) -> Config:
@@ -136,7 +147,8 @@ class Config:
 LOSS_REDUCTIONS = (None, "sum", "mean")
 # The options only a pipeline (a model parallelized with pp > 1) reads. One options dict may
 # serve pp=1 and pp>1 runs, so at pp=1 the backend warns once that they are ignored.
-PIPELINE_OPTIONS = ("schedule", "microbatches", "split_points", "loss_reduction", "pp_reshard")
+PIPELINE_OPTIONS = ("schedule", "microbatches", "split_points", "loss_reduction", "pp_reshard",
+                    "unsplit_inputs")
 
 
 def pipeline_options_in(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -144,6 +156,12 @@ def pipeline_options_in(options: Mapping[str, Any] | None) -> dict[str, Any]:
     if not isinstance(options, Mapping):
         return {}
     return {key: options[key] for key in PIPELINE_OPTIONS if key in options}
+
+
+def check_option(key: str, value: Any) -> Any:
+    """``value`` as the Config holds it if it is allowed for option ``key``; raises
+    ``OptionError`` naming the key, the value and what is allowed otherwise."""
+    return _check(key, value)
 
 
 def _check(key: str, value: Any) -> Any:
@@ -169,8 +187,10 @@ def _check(key: str, value: Any) -> Any:
             raise OptionError(f"zeroc: option cache_dir={value!r} must be a non-empty path")
         return str(value)
     if key == "bucket_mb":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise OptionError(f"zeroc: option bucket_mb={value!r} must be a number > 0 (MiB)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and 0 < value <= MAX_BUCKET_MB):
+            raise OptionError(f"zeroc: option bucket_mb={value!r} must be a finite number of "
+                              f"MiB in (0, {MAX_BUCKET_MB}]")
         return float(value)
     if key == "schedule":
         if value not in SCHEDULES:
@@ -181,9 +201,9 @@ def _check(key: str, value: Any) -> Any:
         return value
     if key == "microbatches":
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise OptionError(
-                f"zeroc: option microbatches={value!r} must be None or an integer >= 1")
+                                  or not 1 <= value <= MAX_MICROBATCHES):
+            raise OptionError(f"zeroc: option microbatches={value!r} must be None or an "
+                              f"integer in [1, {MAX_MICROBATCHES}]")
         return value
     if key == "split_points":
         if value is None:
@@ -195,13 +215,22 @@ def _check(key: str, value: Any) -> Any:
                 "such as ['layers.4']"
             )
         return tuple(value)
+    if key == "unsplit_inputs":
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, str) and v for v in value):
+            raise OptionError(
+                f"zeroc: option unsplit_inputs={value!r} must be a list of the forward's "
+                "argument names, such as ['proj']")
+        return tuple(value)
     if key == "loss_reduction":
         if value not in LOSS_REDUCTIONS:
             raise OptionError(f"zeroc: option loss_reduction={value!r} is not allowed; "
                               f"allowed: {list(LOSS_REDUCTIONS)}")
         return value
     if key == "prefetch":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise OptionError(f"zeroc: option prefetch={value!r} must be an integer >= 0")
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                0 <= value <= MAX_PREFETCH):
+            raise OptionError(f"zeroc: option prefetch={value!r} must be an integer in "
+                              f"[0, {MAX_PREFETCH}]")
         return value
     raise AssertionError(f"option {key} has no check")

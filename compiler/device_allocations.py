@@ -52,9 +52,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 from zeroc.runtime import step_memory
 from zeroc.runtime.step_memory import (
@@ -64,6 +61,7 @@ from zeroc.runtime.step_memory import (
     in_step,
     ledgers_active,
 )
+from zeroc.runtime.torch_compat import FakeTensor, is_traceable_wrapper_subclass, tree_leaves
 
 __all__ = ["Allocation", "DeviceAllocations", "RankRun", "count_rank", "counting", "full_size"]
 

@@ -9,11 +9,7 @@ raised while ``torch.compile`` compiles on the first call.
 from __future__ import annotations
 
 from zeroc.runtime.errors import OptionError
-
-try:
-    from torch._dynamo.exc import ShortenTraceback
-except ImportError:  # an older torch without it: errors arrive wrapped, text intact
-    ShortenTraceback = None  # type: ignore[assignment,misc]
+from zeroc.runtime.torch_compat import ShortenTraceback  # None without it: errors arrive wrapped
 
 __all__ = ["OptionError", "passthrough"]
 

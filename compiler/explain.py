@@ -23,6 +23,7 @@ from zeroc.runtime.records import (
 )
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import SESSION_ATTR, CompiledGraph, CompileSession, compiled_regions
+from zeroc.tune_cache import layout_match
 
 # Adam keeps two fp32 moments per parameter element.
 
@@ -306,6 +307,7 @@ def build_plan(session: CompileSession) -> Plan:
         graph_hash=graph_hash,
         option_defaults=tuple((k, str(v)) for k, v in type(config)().to_dict().items()),
         layout_from=getattr(mesh_layout, "tuned_from", ""),
+        layout_match=layout_match(mesh_layout),
     )
     plan = Plan(
         meta=meta,

@@ -22,25 +22,59 @@ __all__ = ["load_factory", "run_explain"]
 
 
 def load_factory(spec: str) -> Any:
-    """The callable named by ``path/to/file.py:name``. Its module is importable by its file
-    name afterwards, so a child process (``zeroc.tune``'s planner) can unpickle its classes."""
+    """The callable named by ``path/to/file.py:name``: only that file is imported from where
+    it lies. Its directory is appended to ``sys.path`` (after the installed packages), so the
+    factory's own sibling modules import and a file there named like a package zeroc imports
+    later (``filelock.py``) does not replace it. Its module is importable by its file name
+    afterwards, so a child process (``zeroc.tune``'s planner) can unpickle its classes; a file
+    named like a module that exists elsewhere is refused (rename it)."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
         raise ValueError(f"factory {spec!r} is not allowed: write path/to/file.py:function")
     if not os.path.isfile(path):
         raise ValueError(f"factory {spec!r}: no file {path!r}")
-    directory = os.path.dirname(os.path.abspath(path))
-    if directory not in sys.path:
-        sys.path.insert(0, directory)
+    path = os.path.abspath(path)
     module_name = os.path.splitext(os.path.basename(path))[0]
+    taken = _module_origin(module_name)
+    if taken is not None and taken != path:
+        raise ValueError(f"factory {spec!r}: its module name {module_name!r} is also {taken}; "
+                         "rename the file so that it does not replace that module")
+    directory = os.path.dirname(path)
+    if directory not in sys.path:
+        sys.path.append(directory)
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"factory {spec!r}: {path} has no function {name!r}")
     return factory
+
+
+def _module_origin(name: str) -> str | None:
+    """Where the module ``name`` would be imported from now (a file, or ``"built in"``), or
+    None when there is none (or the name is not a plain module name)."""
+    if not name.isidentifier():
+        return None
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return os.path.abspath(loaded.__file__) if getattr(loaded, "__file__", None) \
+            else "built in"
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if found is None:
+        return None
+    if found.has_location and found.origin:
+        return os.path.abspath(found.origin)
+    places = list(found.submodule_search_locations or ())
+    return f"the package directory {places[0]}" if places else "built in"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -26,19 +26,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._prims_common import make_contiguous_strides_for
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import _disable_current_modes
 
 from zeroc.runtime.step_memory import note_made
+from zeroc.runtime.torch_compat import (
+    FakeTensor,
+    FakeTensorMode,
+    detect_fake_mode,
+    disable_current_modes,
+    make_contiguous_strides_for,
+)
 
 __all__ = ["active_fake_mode", "fake_empty", "fake_flat", "fake_visible"]
 
 
 def active_fake_mode() -> FakeTensorMode | None:
     """The fake tensor mode in effect here (``zeroc.fake_world``'s), if any."""
-    from torch._guards import detect_fake_mode
-
     mode = detect_fake_mode()
     return mode if isinstance(mode, FakeTensorMode) else None
 
@@ -54,7 +56,7 @@ def _as_parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 def fake_empty(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)`` on ``mode``'s fake tensors."""
-    with _disable_current_modes():
+    with disable_current_modes():
         return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), device)
 
 
@@ -76,7 +78,7 @@ def fake_visible(mode: FakeTensorMode, sharded: Any) -> nn.Parameter:
     builds)."""
     flat = sharded.flat
     offset, local_shape = sharded.local_layout()
-    with _disable_current_modes():
+    with disable_current_modes():
         meta = torch.empty(0, dtype=flat.dtype, device="meta")
         meta.set_(flat.untyped_storage(), flat.storage_offset() + offset, local_shape,
                   make_contiguous_strides_for(local_shape))
@@ -85,7 +87,8 @@ def fake_visible(mode: FakeTensorMode, sharded: Any) -> nn.Parameter:
     if placement is None:
         return _as_parameter(local, flat.requires_grad)
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from zeroc.runtime.torch_compat import DTensorSpec, TensorMeta
 
     shape = torch.Size(sharded.record.shape)
     spec = DTensorSpec(sharded.dp_mesh, (placement,), tensor_meta=TensorMeta(

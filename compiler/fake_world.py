@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.plan_capture import SharedTrace
@@ -44,6 +43,7 @@ from zeroc.runtime import nccl_order
 from zeroc.runtime.nccl_devices import strict_devices
 from zeroc.runtime.nccl_order import P2PRecord
 from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.torch_compat import FakeTensorMode
 
 __all__ = ["PositionPlan", "fake_world", "loss_of", "meta_copy", "plan_position",
            "share_front"]
@@ -69,7 +69,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTensorMode]:
     """A fake process group as ``rank`` of ``world``, its (pp, dp) mesh, and a fake tensor
     mode on ``device``."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from zeroc.runtime.torch_compat import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -86,7 +86,7 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
     saved = (PLANNING.skip_init, PLANNING.device, PLANNING.simulated)
     PLANNING.skip_init, PLANNING.simulated = True, True
     PLANNING.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     try:
         with contextlib.ExitStack() as stack:
             if device == "cuda":  # NCCL's rules: CUDA fake tensors, and collectives on them
@@ -97,7 +97,7 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
             yield mode
     finally:
         PLANNING.skip_init, PLANNING.device, PLANNING.simulated = saved
-        torch._dynamo.reset()
+        torch.compiler.reset()
         from zeroc.runtime import shutdown
 
         shutdown.release_destroyed_groups()

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
+
+from zeroc.runtime.torch_compat import tree_flatten
 
 __all__ = ["MissingGradientError", "check_covered", "check_stages", "differentiated_inputs",
            "graph_gradients"]

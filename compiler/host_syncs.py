@@ -46,9 +46,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from zeroc.runtime.torch_compat import FakeTensor, TorchDispatchMode, tree_leaves
 
 __all__ = ["HostSync", "count_host_syncs"]
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from zeroc.runtime.torch_compat import keystr, tree_flatten_with_path
 
 __all__ = ["install_input_device_check"]
 

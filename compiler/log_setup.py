@@ -63,14 +63,18 @@ def register_logging() -> None:
     (``TORCH_LOGS`` set after torch was imported), its level and torch's handler are applied
     here, as torch's ``_init_logs`` would have.
     """
-    from torch._logging import _internal
+    from zeroc.runtime.torch_compat import (
+        add_torch_log_handler,
+        register_torch_log,
+        torch_logs_env_var,
+    )
 
     try:
-        _internal.register_log(SETTING_NAME, LOGGER_NAME)
+        register_torch_log(SETTING_NAME, LOGGER_NAME)
     except (AttributeError, TypeError) as error:  # a torch whose registry differs
         log.debug("zeroc: cannot register with torch's logging registry: %s", error)
         return
-    level = env_level(os.environ.get(getattr(_internal, "LOG_ENV_VAR", "TORCH_LOGS")))
+    level = env_level(os.environ.get(torch_logs_env_var()))
     if level is None:
         return
     logger = logging.getLogger(LOGGER_NAME)
@@ -78,9 +82,7 @@ def register_logging() -> None:
     logger.propagate = False  # as torch's registered loggers: its handler prints the line
     if _torch_importing():
         return  # torch's _init_logs, running now, adds its handler to every registered log
-    is_torch_handler = getattr(_internal, "_is_torch_handler", lambda handler: False)
-    if not any(is_torch_handler(h) for h in logger.handlers):
-        _internal._setup_handlers(logging.StreamHandler, logger)
+    add_torch_log_handler(logger)
 
 
 def is_rank_zero() -> bool:

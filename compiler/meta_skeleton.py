@@ -21,7 +21,8 @@ from collections.abc import Container, Iterator
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeroc.runtime.torch_compat import TorchDispatchMode
 
 __all__ = ["WriteTracker", "empty_like", "skeleton", "storage_id", "swapped"]
 

@@ -21,12 +21,10 @@ import gc
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from zeroc.runtime.cost import call_cost, is_alias, is_pointwise, tensor_bytes
+from zeroc.runtime.torch_compat import FakeTensorMode, TorchDispatchMode, tree_leaves
 
 __all__ = ["ModelProfile", "OpRecord", "profile_model"]
 

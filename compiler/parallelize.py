@@ -49,14 +49,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_map
 
 from zeroc.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.fake_params import active_fake_mode, fake_flat, fake_visible
 from zeroc.input_devices import install_input_device_check
 from zeroc.meta_init import PLANNING, check_meta_initializable, materialize_direct
+from zeroc.model_changes import install as track_requires_grad
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.mesh import Mesh, build_mesh, group_device
+from zeroc.runtime.torch_compat import tree_map
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
     MixedPrecision,
@@ -225,14 +226,17 @@ def parallelize(
     carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
 
     ``layout="auto"`` takes ``zero`` and ``pp`` from the last ``zeroc.tune`` of this model
-    structure on this world and device (in ``cache_dir``, default ``~/.cache/zeroc``) and makes
-    its compile options the defaults of the model's ``torch.compile`` (options passed there
-    win); the plan says where the layout came from. No tuned layout raises ``OptionError``.
+    structure on this world and device (in ``cache_dir``, default ``~/.cache/zeroc``; one
+    written by other torch or zeroc versions, another user's or a corrupt one is refused) and
+    makes its compile options the defaults of the model's ``torch.compile`` when the model is
+    compiled with inputs of the shapes it was tuned for (options passed there win); the plan
+    says where the layout came from and what matched (``zeroc.tune_cache``). No tuned layout
+    raises ``OptionError``.
     """
     tuned: tuple[tuple[str, Any], ...] = ()
-    tuned_from = ""
+    tuned_from, tuned_inputs = "", ()
     if layout is not None:
-        zero, pp, tuned, tuned_from = _tuned_layout(model, layout, cache_dir)
+        zero, pp, tuned, tuned_from, tuned_inputs = _tuned_layout(model, layout, cache_dir)
     _validate(model, zero)
     _check_process_group(mesh)
     if PLANNING.shared is None or not PLANNING.shared.get("meta_initializable"):
@@ -276,6 +280,7 @@ def parallelize(
         install(owners, sharded)
         state.params.append(sharded)
     finish_modules(model, modules, state)
+    track_requires_grad(model)  # requires_grad changes take effect at the next call
     if zero == 1:
         ensure_step_hook()
     if mesh_.pp > 1:
@@ -294,7 +299,7 @@ def parallelize(
     layout = ZeroLayout(
         zero=zero, pp=mesh_.pp, dp=mesh_.dp, world=mesh_.world, mixed_precision=policy,
         mesh=mesh_, params=tuple(s.record for s in state.params), tuned_options=tuned,
-        tuned_from=tuned_from,
+        tuned_from=tuned_from, tuned_inputs=tuned_inputs,
     )
     setattr(model, LAYOUT_ATTR, layout)
     model.__dict__["_zeroc_state"] = state
@@ -311,9 +316,10 @@ def parallelize(
 
 
 def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
-                  ) -> tuple[int, int, tuple[tuple[str, Any], ...], str]:
-    """``(zero, pp, options, source file)`` of the tuned layout for ``model`` here."""
-    from zeroc.tune_space import layout_path, read_layout, read_on_rank0
+                  ) -> tuple[int, int, tuple[tuple[str, Any], ...], str, tuple]:
+    """``(zero, pp, options, source file, input shapes)`` of the tuned layout for ``model``
+    here: one made for this model structure, world, device and torch and zeroc versions."""
+    from zeroc.tune_cache import layout_key, layout_path, read_layout, read_on_rank0
 
     if layout != "auto":
         raise OptionError(f"zeroc.parallelize: layout={layout!r} is not allowed; use "
@@ -321,15 +327,16 @@ def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = layout_path(cache_dir, model, world, device)
-    found = read_on_rank0(read_layout, path)
+    found = read_on_rank0(read_layout, path, layout_key(model, world, device))
     if found is None:
         raise OptionError(
             f"zeroc.parallelize: layout='auto' but no tuned layout for this model on {world} "
-            f"rank(s) of {device} in {os.path.dirname(path)}: run zeroc.tune(model, "
-            "example_inputs) (or python -m zeroc tune) first, with the same cache_dir")
-    best, source = found
+            f"rank(s) of {device} in {os.path.dirname(path)} (or a refused one: see the log): "
+            "run zeroc.tune(model, example_inputs) (or python -m zeroc tune) first, with the "
+            "same cache_dir")
+    best, source, inputs = found
     log.info("zeroc.parallelize: tuned layout %s from %s", best.label(), source)
-    return best.zero, best.pp, best.options, source
+    return best.zero, best.pp, best.options, source, inputs
 
 
 def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,

@@ -30,8 +30,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from zeroc import stage_reuse
 from zeroc.codegen.inductor_graphs import inductor_decompositions, kernel_path
@@ -57,6 +55,11 @@ from zeroc.runtime.pipeline_executor import (
     StageProgram,
 )
 from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.torch_compat import (
+    aot_export_joint_simple,
+    default_partition,
+    min_cut_rematerialization_partition,
+)
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph, CompileSession
 from zeroc.stage_holding import keep_only
@@ -94,6 +97,12 @@ class PipelineRecord:
     # Pipeline position -> names of the parameters its ranks hold.
     position_params: dict[int, frozenset[str]] = dataclasses.field(default_factory=dict)
     stage_param_names: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+def _input_name(placeholder: str) -> str:
+    """The forward's argument a Dynamo placeholder stands for (``L_idx_`` -> ``idx``)."""
+    name = placeholder.removeprefix("L_").removeprefix("l_").strip("_")
+    return f"input {name!r}"
 
 
 def _param_name(flat: Any) -> str:
@@ -235,6 +244,8 @@ def _compile_pipeline(
             loss_denominator=normalization.denominator,
             hoisted=hoisted_here,
             bucket_mb=config.bucket_mb,
+            host_group_name=layout.mesh.pp_host_group_name,
+            input_names={i: _input_name(names[i]) for i in batch_inputs},
         ),
         programs,
     )

@@ -29,10 +29,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils.clip_grad as clip_grad
 
 from zeroc.runtime.mesh import group_device
 from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
+from zeroc.runtime.torch_compat import clip_total_norm, set_clip_total_norm
 from zeroc.sharded_params import ShardedParam, ZeroState
 
 __all__ = ["owned_here", "pipeline_norm", "register"]
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 LAYOUT_ATTR = "_zeroc_layout"  # on a flat buffer: its model's ZeroLayout (zeroc.parallelize)
 
 # torch's norm of a list of tensors, as torch defines it (taken before any replacement).
-_TORCH_TOTAL_NORM = clip_grad._get_total_norm
+_TORCH_TOTAL_NORM = clip_total_norm()
 # The ZeroStates of live pipelined models (pp > 1) whose gradients are routed.
 _PIPELINED: weakref.WeakSet[ZeroState] = weakref.WeakSet()
 
@@ -122,8 +122,8 @@ def _routed_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type
 def register(state: ZeroState) -> None:
     """Route torch's gradient norm to ``pipeline_norm`` for ``state``'s model (pp > 1)."""
     _PIPELINED.add(state)
-    if clip_grad._get_total_norm is _TORCH_TOTAL_NORM:
-        clip_grad._get_total_norm = _routed_total_norm
+    if clip_total_norm() is _TORCH_TOTAL_NORM:
+        set_clip_total_norm(_routed_total_norm)
         log.debug("zeroc: torch.nn.utils clip_grad_norm_ / get_total_norm routed for "
                   "pipelined models")
     if torch.nn.utils.get_total_norm is _TORCH_TOTAL_NORM:

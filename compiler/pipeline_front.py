@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import zeroc.codegen as zeroc_codegen
 import zeroc.passes as zeroc_passes
@@ -49,6 +48,12 @@ from zeroc.passes.split_stages import StageSplit, split_stages
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import ParamInfo, PassInfo
+from zeroc.runtime.torch_compat import (
+    OpOverload,
+    OpOverloadPacket,
+    graph_break_reasons,
+    tree_flatten,
+)
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.session import CompiledGraph
 from zeroc.stage_trace import full_size_fakes
@@ -103,20 +108,43 @@ def remember_sources(gm: torch.fx.GraphModule) -> None:
             node.meta[SOURCE_NAME_META] = source_name(node)
 
 
-def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any],
-                  params: set[int]) -> tuple[set[int], int]:
+def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any], params: set[int],
+                  unsplit: tuple[str, ...] = ()) -> tuple[set[int], int]:
+    """The inputs cut into micro-batches (every user tensor input with a dimension, but those
+    named in ``unsplit``) and the batch size they share."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    batch = {i for i, (n, v) in enumerate(zip(placeholders, inputs, strict=False))
-             if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
-             and _is_user_input(n)}
-    sizes = {placeholders[i].name: int(inputs[i].shape[0]) for i in sorted(batch)}
+    tensors = {i for i, (n, v) in enumerate(zip(placeholders, inputs, strict=False))
+               if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
+               and _is_user_input(n)}
+    named = {source_name(placeholders[i]): i for i in tensors}
+    unknown = [name for name in unsplit if name not in named]
+    if unknown:
+        raise ValueError(f"zeroc pipeline: unsplit_inputs names {unknown}, which the forward "
+                         f"does not take as a tensor; its tensor inputs are {sorted(named)}")
+    batch = {i for i in tensors if source_name(placeholders[i]) not in unsplit}
+    sizes = {source_name(placeholders[i]): int(inputs[i].shape[0]) for i in sorted(batch)}
     if not sizes:
         raise ValueError("zeroc pipeline: the model takes no tensor input to cut into "
                          "micro-batches; pass the batch as tensors (batch in dimension 0)")
     if len(set(sizes.values())) != 1:
         raise ValueError(f"zeroc pipeline: every tensor input is cut into micro-batches along "
-                         f"dimension 0, so they need one batch size; got {sizes}")
+                         f"dimension 0, so they need one batch size; got {sizes}. Pass an "
+                         "input that is not part of the batch whole with options="
+                         "{'unsplit_inputs': ['name']}")
     return batch, next(iter(sizes.values()))
+
+
+def _cut_failed(error: Exception, gm: torch.fx.GraphModule, batch_inputs: set[int],
+                batch: int, microbatch: int) -> ValueError:
+    """The error for a graph that fails at the micro-batch size: name what was cut."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cut = sorted(source_name(placeholders[i]) for i in batch_inputs)
+    return ValueError(
+        f"zeroc pipeline: the model fails on micro-batches of {microbatch} of its batch of "
+        f"{batch} ({type(error).__name__}: {str(error).strip().splitlines()[0]}). Every "
+        f"tensor input whose dimension 0 is the batch is cut into micro-batches: {cut}. If "
+        "one of them is not batch-shaped (a weight or a table that happens to have "
+        f"{batch} rows), pass it whole with options={{'unsplit_inputs': ['name']}}")
 
 
 # Frames of these files are zeroc's or torch's own, not the user's (a stack trace's outer
@@ -155,9 +183,7 @@ def _break_reason(gm: torch.fx.GraphModule) -> str:
     inner one, such as an embedding's forward, on its own), the latest break it recorded."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
-        from torch._dynamo import utils as dynamo_utils
-
-        recorded = getattr(dynamo_utils, "graph_break_reasons", None) or [None]
+        recorded = graph_break_reasons() or [None]
         reason = recorded[-1]
     if reason is None:
         return ""
@@ -233,9 +259,9 @@ class FrontBuilt(Exception):  # noqa: N818 (a signal, not an error)
 
 def op_namespace(target: Any) -> str | None:
     """The op namespace of an FX target (``torch.ops.zeroc.unshard`` or its ``.default``)."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return target._qualified_op_name.split("::")[0]
-    return target.namespace if isinstance(target, torch._ops.OpOverload) else None
+    return target.namespace if isinstance(target, OpOverload) else None
 
 
 def _names_a_group(split: StageSplit) -> bool:
@@ -300,7 +326,7 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
                      example_inputs)
     loss_output = keep_loss_output(gm, params)
     differentiated = _differentiated(gm, dynamic_gm, loss_output)
-    batch_inputs, batch = _batch_inputs(gm, example_inputs, params)
+    batch_inputs, batch = _batch_inputs(gm, example_inputs, params, config.unsplit_inputs)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
     if batch % microbatches:
@@ -343,7 +369,11 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
         gm, size = full, batch
     else:  # traced at the micro-batch size: nothing to rewrite
-        gm, size = specialize(dynamic_gm, micro_inputs, costs=True), microbatch
+        try:
+            specialized = specialize(dynamic_gm, micro_inputs, costs=True)
+        except RuntimeError as error:
+            raise _cut_failed(error, dynamic_gm, batch_inputs, batch, microbatch) from None
+        gm, size = specialized, microbatch
         keep_loss_output(gm, params)
         gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
         micro = normalize_loss(gm, params, config.loss_reduction)
@@ -351,8 +381,11 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
             normalization = dataclasses.replace(micro, denominator=None)
     # ZeRO once per step: the stage graphs read and differentiate full parameters.
     hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
-    mgraph = microbatch_graph(gm, full_size_fakes(example_inputs, hoisted), batch_inputs,
-                              size, microbatch)
+    try:
+        mgraph = microbatch_graph(gm, full_size_fakes(example_inputs, hoisted), batch_inputs,
+                                  size, microbatch)
+    except RuntimeError as error:
+        raise _cut_failed(error, gm, batch_inputs, batch, microbatch) from None
     split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
     return PipelineFront(
         params=frozenset(params), loss_output=loss_output, batch_inputs=frozenset(batch_inputs),

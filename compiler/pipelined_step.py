@@ -35,6 +35,7 @@ import torch
 
 from zeroc.passes.loss_output import LossOutput
 from zeroc.runtime.pipeline_executor import PipelineExecutor
+from zeroc.runtime.torch_compat import foreach_mul_
 from zeroc.sharded_params import STATE_ATTR, ZeroState
 
 __all__ = ["PipelinedStep"]
@@ -75,7 +76,7 @@ def _scale_in_place(grads: list[torch.Tensor | None],
         if grad is not None:  # once per tensor, should one be returned for two inputs
             groups.setdefault((grad.dtype, grad.device), {})[id(grad)] = grad
     for (dtype, device), tensors in groups.items():
-        torch._foreach_mul_(list(tensors.values()), factor.detach().to(device, dtype))
+        foreach_mul_(list(tensors.values()), factor.detach().to(device, dtype))
     return grads
 
 

@@ -209,7 +209,7 @@ class SharedTrace:
         else:
             self.graphs = 2  # the forward ran to its end without reaching the graph
         finally:
-            torch._dynamo.reset()  # a position's own compile must not find this trace's frame
+            torch.compiler.reset()  # a position's own compile must not find this trace's frame
         return True
 
     def trace(self, model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -88,11 +88,10 @@ def find_compile_wrapper() -> Any | None:
     ``None`` when the backend is called outside Dynamo (then the graph gets a session of its
     own, which no compiled object leads to).
     """
-    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from zeroc.runtime.torch_compat import current_translator
 
-    try:
-        tx = InstructionTranslator.current_tx()
-    except AttributeError:  # no frame is being translated
+    tx = current_translator()
+    if tx is None:  # no frame is being translated
         return None
     compiler_fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
     return None if compiler_fn is None else _innermost(compiler_fn)

@@ -45,10 +45,9 @@ import threading
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._prims_common import make_contiguous_strides_for
 
+from zeroc.runtime.torch_compat import all_gather_single, make_contiguous_strides_for
 from zeroc.runtime.zero_ops import ParamShard, unshard
 
 __all__ = ["FLAT_PREFIX", "ShardedParam", "UnshardSpec", "ZeroState", "install",
@@ -91,6 +90,7 @@ class ShardedParam:
     held: bool = True
     # A meta model's ``zeroc.deferred_init.DeferredInit`` while the values are not computed.
     deferred: Any = None
+    hooked: bool = False  # ``move_grad`` is registered on ``flat`` (``zeroc.model_changes``)
 
     def open_sink(self) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
@@ -138,6 +138,8 @@ class ShardedParam:
         if grad is None:  # a compiled no-sync step may call the hook with no gradient
             return
         flat.grad = None
+        if not self.visible.requires_grad:  # frozen since the graph was traced: none, as eager
+            return
         self.sink = None
         incoming = self.wrap(self.local_view(grad))
         if self.visible.grad is None:
@@ -198,7 +200,7 @@ def _spec_key(spec: UnshardSpec) -> str:
     return key
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _spec_of(key: str) -> UnshardSpec:
     """The spec whose text is ``key`` (a constant to Dynamo: ``key`` is guarded instead)."""
     return _SPECS[key]
@@ -270,6 +272,9 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
     if key not in _SUBCLASSES:
         attrs = {n: _property(n) for n in names}
         attrs["_save_to_state_dict"] = _saver(cls, names)
+        from zeroc.model_changes import guard_methods  # it imports this module
+
+        attrs.update(guard_methods(cls, names))  # replacing a parameter raises, naming it
         attrs["__module__"] = cls.__module__
         _SUBCLASSES[key] = type(cls.__name__, (cls,), attrs)
     return _SUBCLASSES[key]
@@ -284,9 +289,10 @@ def install(owners: list[tuple[nn.Module, str]], sharded: ShardedParam) -> None:
         module.__dict__[SHARD_PREFIX + local] = sharded
         module.__dict__[FIRST_PREFIX + local] = index == 0
     setattr(sharded.visible, SHARDED_ATTR, sharded)
-    # A frozen parameter (requires_grad=False, set before parallelize) gets no gradient.
+    # A frozen parameter gets no gradient (one unfrozen later: ``zeroc.model_changes``).
     if sharded.flat.requires_grad:
         sharded.flat.register_post_accumulate_grad_hook(sharded.move_grad)
+        sharded.hooked = True
 
 
 def finish_modules(root: nn.Module, modules: dict[nn.Module, list[str]],
@@ -340,7 +346,7 @@ def _gather_whole_rows(params: list[ShardedParam]) -> None:
         widths.append(per_rank)
     send = torch.cat(pieces)
     recv = send.new_empty(dp * send.numel())
-    _all_gather_single(recv, send, group=group)
+    all_gather_single(recv, send, group=group)
     rows = recv.view(dp, -1)
     offset = 0
     with torch.no_grad():
@@ -367,8 +373,6 @@ def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 
 _STEP_HOOK: list[Any] = []
-# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; 2.11 has only the former.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def ensure_step_hook() -> None:

@@ -35,11 +35,14 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._guards import tracing
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from zeroc.runtime.pipeline_zero import HoistedParam
+from zeroc.runtime.torch_compat import (
+    FakeTensorMode,
+    aot_export_joint_simple,
+    tracing,
+    unset_fake_temporarily,
+)
 
 __all__ = ["LazyInference", "StageTrace", "full_size_fakes"]
 

@@ -22,9 +22,9 @@ import sys
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import nn
-from torch.utils._pytree import tree_flatten
+
+from zeroc.runtime.torch_compat import dynamo_config, maybe_mark_dynamic, tree_flatten
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ _LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "cr
 
 def ignore_model_logging() -> None:
     """Let Dynamo skip ``logging.Logger`` calls inside traced code instead of breaking."""
-    config = torch._dynamo.config
+    config = dynamo_config
     name = next((n for n in ("ignore_logging_functions", "ignore_logger_methods")
                  if hasattr(config, n)), None)
     if name is None:  # a torch without the setting: logging calls still break the graph
@@ -51,10 +51,10 @@ def ignore_model_logging() -> None:
 
 def _mark_batch_dynamic(value: Any) -> None:
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] > 1:
-        torch._dynamo.maybe_mark_dynamic(value, 0)
+        maybe_mark_dynamic(value, 0)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def mark_batch_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a pipelined model: dimension 0 of every tensor input is dynamic.
 
@@ -69,7 +69,7 @@ def mark_batch_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
         _mark_batch_dynamic(value)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def install_output_capture_hooks(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a pipelined model: install transformers' output-capturing hooks now.
 

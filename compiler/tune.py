@@ -13,7 +13,7 @@
    rank's figure. Memory-saving trades (``fused_loss``, ``partitioner="min_cut"``) cost time,
    so they win only where memory is short: the estimate ranks them, the memory filter keeps
    them when nothing else fits, and the measurement settles the rest.
-4. **Cache.** The winner goes to ``<cache_dir>/tune/`` (``zeroc.tune_space``); a later
+4. **Cache.** The winner goes to ``<cache_dir>/tune/`` (``zeroc.tune_cache``); a later
    ``tune`` of the same model, world and device returns it without searching.
 
 A world that is not here (``world=W``) is ranked without measuring: every candidate is
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import statistics
 import sys
 import time
@@ -40,18 +41,10 @@ from zeroc.runtime.hardware import get_profile
 from zeroc.runtime.mesh import group_device
 from zeroc.runtime.plan_text import human_bytes
 from zeroc.runtime.step_clock import RegionTimer
+from zeroc.tune_cache import cache_path, read_cached, read_on_rank0, write_cached
 from zeroc.tune_estimate import estimate_all
 from zeroc.tune_result import Trial, TuneResult
-from zeroc.tune_space import (
-    Candidate,
-    cache_path,
-    candidates,
-    layout_path,
-    model_key,
-    read_cached,
-    read_on_rank0,
-    write_cached,
-)
+from zeroc.tune_space import Candidate, candidates, model_key
 from zeroc.tune_world import PLAN_BUDGET_S, tune_world
 
 __all__ = ["TuneResult", "Trial", "tune"]
@@ -128,7 +121,7 @@ def measure(model: nn.Module, example_inputs: Any, candidate: Candidate, steps: 
     (compiling) ones, the slowest rank's; raises what the candidate raised."""
     from zeroc.parallelize import parallelize
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     trial = parallelize(copy.deepcopy(model), zero=candidate.zero, pp=candidate.pp)
     compiled = torch.compile(trial, backend="zeroc", options=candidate.options_dict())
     optimizer = torch.optim.AdamW(trial.parameters(), lr=1e-4)
@@ -143,7 +136,7 @@ def measure(model: nn.Module, example_inputs: Any, candidate: Candidate, steps: 
                           device=group_device())
     if _world()[0] > 1:
         dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return float(median)
 
 
@@ -179,23 +172,24 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None
     planning = world is not None and world != here
     if budget_s is None:
         budget_s = PLAN_BUDGET_S if planning else MEASURE_BUDGET_S
-    if budget_s <= 0 or measure_best < 1 or steps < 1:
-        raise OptionError(f"zeroc.tune: budget_s={budget_s!r} must be > 0, measure_best="
-                          f"{measure_best!r} and steps={steps!r} >= 1")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not (
+            0 < budget_s < math.inf) or measure_best < 1 or steps < 1:
+        raise OptionError(f"zeroc.tune: budget_s={budget_s!r} must be a finite number > 0, "
+                          f"measure_best={measure_best!r} and steps={steps!r} >= 1")
     world = here if world is None else world
     if world < 1:
         raise OptionError(f"zeroc.tune: world={world!r} must be a positive number of ranks")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     key = model_key(model, example_inputs)
     path = cache_path(cache_dir, key, world, device)
-    cached = None if force else read_on_rank0(read_cached, path)
+    cached = None if force else read_on_rank0(read_cached, path, key, world, device)
     if cached is not None:
-        log.info("zeroc.tune: using the cached layout %s from %s", cached["best"], path)
+        log.info("zeroc.tune: using the cached layout %s from %s", cached["best"].label(), path)
         trials = tuple(Trial(Candidate.from_json(t["candidate"]), t["estimated_s"],
                              t["peak_bytes"], t["measured_s"], t["rejected"],
-                             dict(t.get("parts", {})), t.get("screened_s"))
-                       for t in cached.get("trials", ()))
-        return TuneResult(Candidate.from_json(cached["best"]), trials, True, path)
+                             dict(t["parts"]), t["screened_s"])
+                       for t in cached["trials"])
+        return TuneResult(cached["best"], trials, True, path)
     start = time.perf_counter()
     if hardware is None:
         from zeroc.calibrate import calibrate
@@ -262,8 +256,8 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None
         raise OptionError("zeroc.tune: no candidate ran; see the warnings for why")
     best = min(measured, key=lambda t: t.measured_s).candidate
     if rank == 0:
-        write_cached(path, best, [t.to_json() for t in trials],
-                     layout_path(cache_dir, model, world, device))
+        write_cached(cache_dir, model, example_inputs, world, device, best,
+                     [t.to_json() for t in trials])
     result = TuneResult(best, tuple(trials), False, path)
     log.info("zeroc.tune: chose %s in %.1f s\n%s", best.label(),
              time.perf_counter() - start, result.table())

@@ -6,7 +6,10 @@ process group in its own process, so where a real one is initialized, rank 0 pla
 child Python process (on a pickled ``meta`` copy of the model: no weights) and broadcasts the
 results; the other ranks wait for them. The child imports the model's classes by name, so
 they must live in an importable module (not in the script run as ``__main__``); a model the
-child cannot load is measured in the search's default order instead, with a warning.
+child cannot load is measured in the search's default order instead, with a warning. The
+child runs isolated (``python -I``) with this process's ``sys.path``, the current directory
+last (``child_command``): a file there named like a package (``filelock.py``) is not imported
+in place of it.
 Estimating stops once half the budget is spent, leaving the rest for measuring.
 """
 
@@ -87,6 +90,25 @@ def _shapes_only(example_inputs: Any) -> Any:
     return empty(example_inputs)
 
 
+def child_path() -> list[str]:
+    """This process's ``sys.path`` with the current directory (``""``, ``"."`` or its full
+    path) moved last: installed packages before anything that merely lies where it runs."""
+    here = os.getcwd()
+    entries = [os.path.abspath(p) if p in ("", ".") else p for p in sys.path]
+    return list(dict.fromkeys([p for p in entries if p != here]
+                              + [p for p in entries if p == here]))
+
+
+def child_command(code: str, *args: str) -> list[str]:
+    """``python -I -c code args...`` that first sets ``sys.path`` to ``child_path()``:
+    isolated, so neither the current directory nor ``PYTHON*`` variables put anything ahead of
+    the packages this process imports."""
+    setup = "import sys; n = int(sys.argv[1]); sys.path[:] = sys.argv[2:2 + n]; " \
+            "del sys.argv[1:2 + n]; "
+    path = child_path()
+    return [sys.executable, "-I", "-c", setup + code, str(len(path)), *path, *args]
+
+
 def child_main() -> None:
     """Entry of the child process: ``python -c ... IN OUT`` (pickled arguments, results)."""
     import pickle
@@ -116,11 +138,11 @@ def _estimate_in_child(model: nn.Module, example_inputs: Any, space: list[Candid
             log.warning("zeroc.tune: cannot hand the model to the planning process (%s)",
                         error)
             return None
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = dict(os.environ)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)  # the child plans alone
         code = "from zeroc.tune_estimate import child_main; child_main()"
-        done = subprocess.run([sys.executable, "-c", code, inputs, outputs], env=env,
+        done = subprocess.run(child_command(code, inputs, outputs), env=env,
                               capture_output=True, text=True, timeout=max(60.0, budget_s))
         if done.returncode != 0:
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -6,36 +6,28 @@ A ``Candidate`` is one layout (ZeRO stage, pipeline degree) with its compile opt
 defaults first, so a search cut short by its budget has still looked at the usual choices.
 ``search`` narrows or widens any axis: ``{"zero": [2, 3], "fused_loss": [True]}``.
 
-The winner is cached as JSON under ``<cache_dir>/tune/``, one file per (model structure and
-inputs, world, device), and once more per (model structure, world, device) as the ``.layout``
-file ``parallelize(layout="auto")`` reads: ``model_key`` hashes the module classes, parameter
-names, shapes and dtypes and the example inputs' shapes (what decides the compiled graphs). A
-file written by another torch or zeroc version, or for other inputs, is ignored with a log
-line.
+``model_key`` hashes the module classes, parameter names, shapes and dtypes and the example
+inputs' shapes (what decides the compiled graphs): the tune cache (``zeroc.tune_cache``) keeps
+the winner under it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from zeroc.codegen.cache_files import atomic_write, private_dir, resolve_cache_dir
 from zeroc.config import SCHEDULES, Config
 from zeroc.runtime.errors import OptionError
 
-__all__ = ["Candidate", "SEARCH_AXES", "candidates", "layout_path", "model_key", "read_cached",
-           "read_layout", "read_on_rank0", "write_cached"]
+__all__ = ["Candidate", "SEARCH_AXES", "candidates", "model_key"]
 
 log = logging.getLogger(__name__)
 
-TUNE_FORMAT = 1
 SEARCH_AXES = ("zero", "pp", "schedule", "microbatches", "bucket_mb", "prefetch", "fused_loss",
                "partitioner")
 
@@ -144,95 +136,3 @@ def model_key(model: nn.Module, example_inputs: Any) -> str:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)
         digest.update(f"in:{shape};".encode())
     return digest.hexdigest()[:16]
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        zeroc_version = version("zeroc")
-    except PackageNotFoundError:
-        zeroc_version = "unknown"
-    return {"torch": torch.__version__, "zeroc": zeroc_version, "format": str(TUNE_FORMAT)}
-
-
-def cache_path(cache_dir: str | None, key: str, world: int, device: str) -> str:
-    """``<cache_dir>/tune/<model key>-w<world>-<device>.json``."""
-    return os.path.join(resolve_cache_dir(cache_dir), "tune", f"{key}-w{world}-{device}.json")
-
-
-def read_cached(path: str) -> dict[str, Any] | None:
-    """The cached result at ``path``, or None (absent, unreadable, or from other versions)."""
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as error:
-        log.warning("zeroc.tune: ignoring the unreadable cache file %s (%s)", path, error)
-        return None
-    versions = data.get("versions") if isinstance(data, dict) else None
-    if versions != _versions():
-        log.info("zeroc.tune: ignoring %s: tuned with %s, this is %s", path, versions,
-                 _versions())
-        return None
-    try:
-        Candidate.from_json(data["best"])
-    except (KeyError, TypeError, ValueError) as error:
-        log.warning("zeroc.tune: ignoring the malformed cache file %s (%s)", path, error)
-        return None
-    return data
-
-
-def layout_path(cache_dir: str | None, model: nn.Module, world: int, device: str) -> str:
-    """Where ``parallelize(layout="auto")`` looks: the last layout tuned for this model
-    structure (whatever its inputs) on ``world`` ranks of ``device``."""
-    key = model_key(model, ())
-    return os.path.join(resolve_cache_dir(cache_dir), "tune", f"{key}-w{world}-{device}.layout")
-
-
-def write_cached(path: str, best: Candidate, trials: list[dict[str, Any]],
-                 layout_file: str | None = None) -> None:
-    """Store the winner and the trial table at ``path`` (atomically), and the winner alone at
-    ``layout_file`` (for ``parallelize(layout="auto")``)."""
-    directory = os.path.dirname(path)
-    private_dir(os.path.dirname(directory), os.path.basename(directory))
-    payload = {"versions": _versions(), "best": best.to_json(), "trials": trials}
-    atomic_write(path, json.dumps(payload, indent=1))
-    if layout_file is not None:
-        atomic_write(layout_file, json.dumps(
-            {"versions": _versions(), "best": best.to_json(), "source": path}, indent=1))
-
-
-def read_on_rank0(reader: Any, path: str) -> Any:
-    """``reader(path)`` on global rank 0, the same value on every rank.
-
-    Every rank must act on one answer: with a cache directory per node (the default is in
-    the home directory), ranks reading their own files would disagree (one tunes with
-    collectives while another returns, or two layouts meet). Only rank 0 writes, so only
-    rank 0 reads, and its answer is broadcast."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return reader(path)
-    found = [reader(path) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
-
-
-def read_layout(path: str) -> tuple[Candidate, str] | None:
-    """The winner in the ``.layout`` file at ``path`` and the cache file it came from, or None
-    (absent, unreadable, or from other versions: logged)."""
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-        if data.get("versions") != _versions():
-            log.info("zeroc: ignoring the tuned layout %s: tuned with %s, this is %s", path,
-                     data.get("versions"), _versions())
-            return None
-        return Candidate.from_json(data["best"]), str(data.get("source", path))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        log.warning("zeroc: ignoring the unreadable tuned layout %s (%s)", path, error)
-        return None

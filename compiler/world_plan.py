@@ -36,6 +36,7 @@ from zeroc.runtime import nccl_order
 from zeroc.runtime.plan import Plan
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import MemoryEstimate
+from zeroc.runtime.torch_compat import preload_inductor_pattern_matcher
 from zeroc.runtime.zero_ops import ZERO_STAGES
 
 __all__ = ["plan_world"]
@@ -88,7 +89,7 @@ def _import_before_fork(options: dict | None) -> None:
     Inductor's pattern matcher (about 2 s), which each forked process would otherwise import
     again, both at once."""
     if planning_cores() >= 2 and (options or {}).get("partitioner", "min_cut") == "min_cut":
-        import torch._inductor.pattern_matcher  # noqa: F401
+        preload_inductor_pattern_matcher()
 
 
 def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1,

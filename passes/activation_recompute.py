@@ -44,6 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from zeroc.codegen.inductor_graphs import kernel_path
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.cost import tensor_bytes
+from zeroc.runtime.torch_compat import OpOverload
 
 aten = torch.ops.aten
 
@@ -133,7 +134,7 @@ def backward_side(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> set
 
 def _pointwise(node: torch.fx.Node) -> bool:
     target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+    return (node.op == "call_function" and isinstance(target, OpOverload)
             and torch.Tag.pointwise in target.tags and not target._schema.is_mutable
             and torch.Tag.nondeterministic_seeded not in target.tags)
 

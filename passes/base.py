@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from zeroc.runtime.records import PassInfo
+from zeroc.runtime.torch_compat import LazyGraphModule
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def graph_module(root: torch.nn.Module, graph: torch.fx.Graph,
     recompile a graph many times, and the pipeline front's whole-model graphs never run at
     all (only the stage graphs cut from them do). Its text (``graph_text``) is printed from
     the graph, as always."""
-    return _LazyGraphModule(root, graph, class_name)
+    return LazyGraphModule(root, graph, class_name)
 
 
 def graph_text(gm: torch.fx.GraphModule) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.torch_compat import OpOverload
 
 __all__ = ["draws_no_random", "eliminate_dead_code", "has_effect", "writes_in_place"]
 
@@ -46,7 +47,7 @@ def _argument(node: torch.fx.Node, name: str):
 def draws_no_random(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a seeded op whose only randomness, its ``dropout_p``, is 0."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
@@ -78,7 +79,7 @@ def writes_in_place(node: torch.fx.Node) -> bool:
         return False
     if target in _IN_PLACE_OPERATORS or "out" in node.kwargs:
         return True
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target._schema.is_mutable
     return _in_place_name(getattr(target, "__name__", ""))
 

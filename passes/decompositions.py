@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import get_decompositions
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from zeroc.codegen.aten_lowering import op_kind
 from zeroc.codegen.fusion_groups import FUSIBLE_DTYPES, Group, eligible
+from zeroc.runtime.torch_compat import detect_fake_mode, get_decompositions
 
 logger = logging.getLogger(__name__)
 

@@ -27,18 +27,18 @@ import operator
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.node import map_aggregate
 
 from zeroc.codegen.aten_lowering import IRBuilder, lower
-from zeroc.codegen.cache_files import private_dir
 from zeroc.codegen.fused_kernel import FusedKernel, choose_backend
 from zeroc.codegen.fusion_groups import Group, find_groups
 from zeroc.codegen.kernel_ir import FULL, KernelIR, Reduce, Store, TensorSpec, value_levels
 from zeroc.codegen.triton_emit import emit_source
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.passes.decompositions import decompose_where_fused
+from zeroc.runtime.cached_files import private_dir
 from zeroc.runtime.records import KernelInfo
+from zeroc.runtime.torch_compat import unset_fake_temporarily
 
 aten = torch.ops.aten
 

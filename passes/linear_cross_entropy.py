@@ -40,19 +40,19 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.cost import concrete
 from zeroc.runtime.hardware import device_memory_bytes
 from zeroc.runtime.plan_format import human_bytes
+from zeroc.runtime.torch_compat import ENTER_AUTOCAST, EXIT_AUTOCAST, FakeTensor
 
-_LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+_LINEAR_TARGETS = {F.linear}  # torch._C._nn.linear itself
 _RESHAPE_METHODS = {"view", "reshape", "flatten"}
 _RESHAPE_FUNCTIONS = {torch.reshape, torch.flatten}
-_AUTOCAST_ENTER = {torch.amp.autocast_mode._enter_autocast}
-_AUTOCAST_EXIT = {torch.amp.autocast_mode._exit_autocast}
+_AUTOCAST_ENTER = {ENTER_AUTOCAST}
+_AUTOCAST_EXIT = {EXIT_AUTOCAST}
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 # fused_loss="auto" off CUDA: logits at least this fraction of the device's memory are fused.
 LARGE_LOGITS_FRACTION = 1 / 2048

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
 
 from zeroc.passes.dead_code import has_effect
+from zeroc.runtime.torch_compat import tree_flatten
 
 __all__ = ["LossNormalization", "normalize_loss", "LossReductionError"]
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from zeroc.passes.loss_normalization import reads_parameter
+from zeroc.runtime.torch_compat import tree_flatten
 
 __all__ = ["LossOutput", "keep_loss_output"]
 

@@ -35,13 +35,17 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard for fake runs)
 from zeroc.passes.base import graph_module
+from zeroc.runtime.torch_compat import (
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_map,
+)
 
 _RESHAPES = {"view", "reshape", torch.reshape, torch.Tensor.view, torch.Tensor.reshape}
 _EXPANDS = {"expand", torch.Tensor.expand}

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.torch_compat import OpOverload
 
 aten = torch.ops.aten
 
@@ -41,7 +42,7 @@ def _only_reader_of_fresh_memory(node: torch.fx.Node) -> bool:
         if list(source.users) != [reader]:
             return False
         target = source.target
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" \
+        if not isinstance(target, OpOverload) or target.namespace != "aten" \
                 or target._schema.is_mutable:
             return False
         if not any(r.alias_info is not None for r in target._schema.returns):

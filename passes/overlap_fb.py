@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from zeroc.runtime.cost import node_cost
+from zeroc.runtime.torch_compat import tree_flatten
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list[Any]:

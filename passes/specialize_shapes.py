@@ -22,7 +22,6 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zeroc.passes.base import graph_module
 from zeroc.passes.microbatch_shapes import (
@@ -32,6 +31,7 @@ from zeroc.passes.microbatch_shapes import (
     NodeEstimate,
     SpecializedRun,
 )
+from zeroc.runtime.torch_compat import FakeTensorMode
 
 __all__ = ["OUTPUTS_ONLY", "microbatch_inputs", "size_inputs", "specialize",
            "specialize_outputs"]

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten
 
 from zeroc.passes.microbatch_shapes import MicrobatchGraph
 from zeroc.passes.stage_units import find_blocks
+from zeroc.runtime.torch_compat import SET_GRAD_ENABLED, tree_flatten
 
 # A nominal machine balance: one byte moved costs about as much time as this many FLOPs.
 FLOPS_PER_BYTE = 10
@@ -266,7 +266,7 @@ def _grad_modes(gm: torch.fx.GraphModule) -> dict[str, bool]:
     modes: dict[str, bool] = {}
     enabled = True
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if node.op == "call_function" and node.target is SET_GRAD_ENABLED:
             enabled = bool(node.args[0])
         modes[node.name] = enabled
     return modes
@@ -349,12 +349,12 @@ def _stage_graph(
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output") or node in env:
             continue
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+        if node.op == "call_function" and node.target is SET_GRAD_ENABLED:
             continue  # re-emitted below where the copied nodes need a switch
         if stage.get(node.name) == k or (node.name in needed and node.name not in stage):
             if modes[node.name] != enabled:
                 enabled = modes[node.name]
-                graph.call_function(torch._C._set_grad_enabled, (enabled,))
+                graph.call_function(SET_GRAD_ENABLED, (enabled,))
             env[node] = graph.node_copy(node, lambda n: env[n])
             estimate = mgraph.costs.get(node.name)
             if estimate is not None:
@@ -363,7 +363,7 @@ def _stage_graph(
             if node.name in mgraph.batch_dependent:
                 activation += _nbytes(mgraph.values.get(node.name))
     if not enabled:
-        graph.call_function(torch._C._set_grad_enabled, (True,))
+        graph.call_function(SET_GRAD_ENABLED, (True,))
     by_name = {n.name: n for n in gm.graph.nodes}
     outputs = [by_name[key] for key in out_keys] + list(results)
     stage_inputs = [placeholders[i] for i in (*params, *locals_)] + received

@@ -21,7 +21,8 @@ import dataclasses
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
+
+from zeroc.runtime.torch_compat import tree_flatten
 
 
 @dataclasses.dataclass(frozen=True)

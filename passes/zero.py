@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard / reduce_grad)
 from zeroc.passes.base import PassContext, PassResult
@@ -44,6 +43,7 @@ from zeroc.runtime.collectives import (
     reduce_scatter_runs_as_all_reduce,
 )
 from zeroc.runtime.records import CollectiveInfo
+from zeroc.runtime.torch_compat import detect_fake_mode
 from zeroc.runtime.zero_ops import group_size
 
 aten = torch.ops.aten

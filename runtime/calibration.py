@@ -14,21 +14,19 @@
 
 Every timed collective runs the same number of times on every rank of its group: the count
 comes from the slowest rank's first call (one all-reduce), so no rank waits for a call another
-rank never makes. ``read_cached`` / ``write_cached`` keep profiles as JSON files: a file read
-must hold the same key, a bad one is logged and measured again, a write is atomic in a
-directory of mode 0o700.
+rank never makes. ``read_cached`` / ``write_cached`` keep profiles as records of
+``zeroc.runtime.cached_files`` (the user's own files in private directories, a format version,
+a checksum): a file read must hold the same key and a profile whose every figure is finite and
+in a plausible range (``check_cached_profile``); a bad one is logged and measured again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroc.runtime.cached_files import number, read_record, store_record, text
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import (
     COLLECTIVE_KINDS,
@@ -47,7 +46,8 @@ from zeroc.runtime.hardware import (
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # of the files under <cache_dir>/calibration/; another one is measured again
+FORMAT = 4  # of the files under <cache_dir>/calibration/; another one is measured again
+PROFILE_KIND = "hardware profile"  # the record kind of a stored profile (cached_files)
 DEFAULT_SECONDS = 0.3  # per measurement: about 3 s on one CPU, 15 s on GPUs with 3 group sizes
 MAX_REPS = 200
 # (m, k, n) of a square and a skinny product per shape class (the class of 2*m*k*n FLOPs).
@@ -119,60 +119,57 @@ def check_tables(profile: HardwareProfile) -> None:
                           "or absent")
 
 
-def _key_difference(found: Any, key: Mapping[str, Any]) -> str:
-    if not isinstance(found, Mapping):
-        return f"its key is {found!r}, not a dict"
-    return "measured for another setup: " + "; ".join(
-        f"{k} = {found.get(k)!r}, here {key.get(k)!r}" for k in sorted({*found, *key})
-        if found.get(k) != key.get(k))
+# What a stored profile's figures may be (a file outside these is refused): FLOP/s up to
+# 1e18, bandwidths up to 1e15 B/s, latencies up to a minute, a launch floor up to a second.
+_FIGURE_RANGES = {
+    "memory_bytes_per_s": (0.0, 1e15), "intra_node_bytes_per_s": (0.0, 1e15),
+    "inter_node_bytes_per_s": (0.0, 1e15), "intra_node_latency_s": (0.0, 60.0),
+    "inter_node_latency_s": (0.0, 60.0), "launch_floor_s": (0.0, 1.0),
+    "memory_bytes": (0.0, float(1 << 53)), "devices_per_node": (0.0, 4096.0)}
+
+
+def check_cached_profile(data: Any, require: Sequence[str] = ()) -> HardwareProfile:
+    """The profile a cache file holds, when every field is known, every figure finite and in
+    range (``_FIGURE_RANGES``; FLOP/s in (0, 1e18]) and every field of ``require`` present;
+    raises ``ValueError`` naming the field otherwise."""
+    missing = [k for k in require if not isinstance(data, Mapping) or k not in data]
+    if missing:
+        raise ValueError(f"its profile lacks {', '.join(missing)}")
+    profile = HardwareProfile.from_dict(data)
+    for key, (low, high) in _FIGURE_RANGES.items():
+        number(getattr(profile, key), f"profile {key}", low, high, above=True)
+    for key in ("name", "source", "collectives_note"):
+        if getattr(profile, key) is not None:
+            text(getattr(profile, key), f"profile {key}")
+    for table in (profile.peak_flops, *(profile.matmul_flops or {}).values()):
+        for name, value in table.items():
+            number(value, f"profile FLOP/s of {name}", 0.0, 1e18, above=True)
+    for kind, groups in (profile.collectives or {}).items():
+        for group, fit in groups.items():
+            where = f"profile collectives[{kind}][{group}]"
+            number(fit["latency_s"], f"{where} latency_s", 0.0, 60.0)
+            number(fit["bytes_per_s"], f"{where} bytes_per_s", 0.0, 1e15, above=True)
+            text(fit["op"], f"{where} op")
+    return profile
 
 
 def read_cached(path: str, key: Mapping[str, Any], what: str, logger: logging.Logger,
                 require: Sequence[str] = ()) -> HardwareProfile | None:
-    """The profile stored in ``path`` for ``key``; ``None`` when there is none or it is corrupt,
-    for another key or lacks a field of ``require`` (the last three logged on ``logger``)."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            entry = json.load(handle)
-        if not isinstance(entry, dict):
-            raise ValueError(f"it holds a {type(entry).__name__}, not a dict")
-        if entry.get("key") != key:
-            raise ValueError(_key_difference(entry.get("key"), key))
-        data = entry.get("profile")
-        missing = [k for k in require if not isinstance(data, Mapping) or k not in data]
-        if missing:
-            raise ValueError(f"its profile lacks {', '.join(missing)}")
-        return HardwareProfile.from_dict(data)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as exc:
-        logger.warning("ignoring the %s in %s (%s); measuring again", what, path, exc)
-        return None
+    """The profile stored in ``path`` for ``key``; ``None`` when there is none or it is refused
+    (another user's or writable by others, corrupt, for another key, out of range or lacking
+    a field of ``require``: logged on ``logger``). The cache root is the file's grandparent
+    (``<root>/calibration/<name>.json``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    return read_record(path, PROFILE_KIND, FORMAT, dict(key),
+                       lambda data: check_cached_profile(data, require), what=what, log=logger,
+                       root=root, action="measuring again", max_bytes=1 << 20)
 
 
 def write_cached(root: str, path: str, key: Mapping[str, Any], profile: HardwareProfile,
                  what: str, logger: logging.Logger) -> None:
-    """Store ``profile`` for ``key`` in ``path`` (see ``write_json``)."""
-    write_json(root, path, {"key": dict(key), "profile": profile.to_dict()}, what, logger)
-
-
-def write_json(root: str, path: str, data: Any, what: str, logger: logging.Logger) -> None:
-    """Store ``data`` as JSON in ``path`` (under ``root``, both made with mode 0o700) through a
-    temporary file and ``os.replace``; a failure is only logged."""
-    try:
-        os.makedirs(root, mode=0o700, exist_ok=True)  # makedirs gives the mode to the leaf only
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(data, handle, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as exc:
-        logger.warning("could not store the %s in %s: %s", what, path, exc)
+    """Store ``profile`` for ``key`` in ``path`` (``cached_files.store_record``: a failure is
+    only logged)."""
+    store_record(root, path, PROFILE_KIND, FORMAT, dict(key), profile.to_dict(), what, logger)
 
 
 def machine_name(device: torch.device) -> str:
@@ -289,13 +286,13 @@ def collective_ops(group: dist.ProcessGroup, device: torch.device) -> dict[str, 
     """What each measured kind runs on ``group``: zeroc's own calls (``zeroc.runtime.zero_ops``;
     on gloo its reduce-scatter is an all-reduce and ``zeroc::rank_chunk_mean``)."""
     from zeroc.runtime.collectives import reduce_scatter_runs_as_all_reduce
-    from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single
+    from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
     as_all_reduce = reduce_scatter_runs_as_all_reduce(group.group_name, device)
-    return {"all_gather": _all_gather_single.__name__,
+    return {"all_gather": all_gather_single.__name__,
             "reduce_scatter": "all_reduce + zeroc::rank_chunk_mean (zeroc's reduce-scatter on "
                               "gloo, which has no reduce_scatter_tensor)" if as_all_reduce
-            else _reduce_scatter_single.__name__,
+            else reduce_scatter_single.__name__,
             "all_reduce": "all_reduce",
             "p2p": "send/recv between group ranks 0 and 1 (half a round trip)"}
 
@@ -323,7 +320,7 @@ def _runs(group: dist.ProcessGroup, device: torch.device, nbytes: int,
           as_all_reduce: bool) -> tuple[Callable[[], None], ...]:
     """One call of each of ``MEASURED_KINDS`` on an ``nbytes`` buffer."""
     from zeroc.runtime.collectives import RANK_CHUNK_MEAN
-    from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single
+    from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     peer = dist.get_global_rank(group, 1 - rank) if rank < 2 else None
@@ -332,7 +329,7 @@ def _runs(group: dist.ProcessGroup, device: torch.device, nbytes: int,
     inbox = torch.empty_like(full)
 
     def gather() -> None:
-        _all_gather_single(full, chunk, group=group)
+        all_gather_single(full, chunk, group=group)
 
     def reduce_scatter() -> None:
         if as_all_reduce:
@@ -340,7 +337,7 @@ def _runs(group: dist.ProcessGroup, device: torch.device, nbytes: int,
             dist.all_reduce(flat, group=group)
             RANK_CHUNK_MEAN(flat, size, group.group_name)
         else:
-            _reduce_scatter_single(chunk, full, group=group)
+            reduce_scatter_single(chunk, full, group=group)
 
     def all_reduce() -> None:
         dist.all_reduce(full, group=group)

@@ -12,14 +12,10 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.planning_state import PLANNING
-
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single; 2.11 has only
-# the former.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from zeroc.runtime.torch_compat import all_gather_single, unset_fake_temporarily
 
 
 class PlanMismatchError(RuntimeError):
@@ -74,7 +70,7 @@ def _compare(name: str, text: str, digest: str, group: dist.ProcessGroup,
     size = dist.get_world_size(group)
     mine = _record(text).to(device)
     everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    _all_gather_single(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group)
     records = everyone.view(size, -1).cpu()
     odd = next((i for i in range(1, size) if not torch.equal(records[i, :2], records[0, :2])),
                None)

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP, collective_bytes
 from zeroc.runtime.op_timing import encode_call
 from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.records import GraphInfo, NodeCost
+from zeroc.runtime.torch_compat import OpOverload, tree_flatten
 
 # Adam and AdamW keep two state tensors (exp_avg, exp_avg_sq) per parameter.
 ADAM_STATES = 2
@@ -145,7 +145,7 @@ def _target_name(node: torch.fx.Node) -> str:
         return node.op
     target = node.target
     name = getattr(target, "zeroc_name", None) or getattr(target, "__name__", None)
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return str(target)
     return name or type(target).__name__
 

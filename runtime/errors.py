@@ -8,4 +8,5 @@ class OptionError(ValueError):
 
 
 class CollectiveError(RuntimeError):
-    """A compiled graph failed while communicating: another rank died, hung or diverged."""
+    """A collective of a compiled graph failed or timed out: another rank died, hung or
+    diverged (an error of this rank's own ops is raised as it is)."""

@@ -24,22 +24,38 @@ import torch.fx
 from zeroc.runtime.collectives import ISSUE_OPS
 from zeroc.runtime.errors import CollectiveError
 from zeroc.runtime.step_memory import tracking, tracking_scope
+from zeroc.runtime.torch_compat import profiler_enabled
 
 log = logging.getLogger(__name__)
 
+# Words of the messages a failed or timed-out collective raises with (gloo's "Connection
+# closed by peer" and "Timed out", NCCL's watchdog, the c10d store) besides torch.distributed's
+# own DistError types.
+_COLLECTIVE_FAILURE_WORDS = ("connection closed", "connection reset", "connection refused",
+                             "broken pipe", "timed out", "timeout", "gloo", "nccl", "c10d",
+                             "watchdog", "tcpstore", "socket", "by peer")
 PROFILE_PREFIX = "zeroc/"
 _NOT_RECORDING = contextlib.nullcontext()
-_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether ``error`` says a collective failed or timed out (another rank died or hung),
+    rather than an op of this rank's own (a dtype or shape error)."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    message = str(error).lower()
+    return any(word in message for word in _COLLECTIVE_FAILURE_WORDS)
 
 
 def profiling() -> bool:
     """Whether a torch profiler is recording now."""
-    return _profiler_enabled()
+    return profiler_enabled()
 
 
 def record(name: str) -> contextlib.AbstractContextManager[Any]:
     """``torch.profiler.record_function(name)`` while a profiler records, else a no-op."""
-    return torch.profiler.record_function(name) if _profiler_enabled() else _NOT_RECORDING
+    return torch.profiler.record_function(name) if profiler_enabled() else _NOT_RECORDING
 
 
 class GraphExecutor:
@@ -83,6 +99,8 @@ class GraphExecutor:
         try:
             return self._call(inputs)
         except RuntimeError as error:
+            if not collective_failed(error):
+                raise  # this rank's own error: as it is, without a guess about the others
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise CollectiveError(
                 f"zeroc: rank {rank} failed in {self.name}, a graph with collectives: "

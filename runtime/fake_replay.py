@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import _disable_current_modes
 
 from zeroc.runtime.step_memory import (
     StepMemory,
@@ -41,6 +39,7 @@ from zeroc.runtime.step_memory import (
     note_made,
     note_transient,
 )
+from zeroc.runtime.torch_compat import FakeTensor, disable_current_modes
 
 __all__ = ["adds_nothing", "call", "is_view", "learned", "replayable"]
 
@@ -233,7 +232,7 @@ def _remake(record: _Record, args: tuple[Any, ...]) -> Any:
     outs = []
     # Every tensor below is made on meta and wrapped: no mode may see those ops (modes are
     # set aside once for the whole call; entering that costs as much as making a tensor).
-    with _disable_current_modes():
+    with disable_current_modes():
         for index, out in enumerate(record.outputs):
             if isinstance(out, _Fresh) and not out.view:
                 made[index] = bases[out.group] = allocate(out.size, out.stride, out)

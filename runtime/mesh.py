@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from zeroc.runtime import shutdown
+from zeroc.runtime.nccl_devices import host_group
 from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["Mesh", "build_mesh", "group_device", "resolve_group"]
@@ -54,6 +55,9 @@ class Mesh:
     # The 1-D DeviceMesh of the data-parallel dimension, the mesh of the parameters'
     # DTensors (None without a process group); not part of equality.
     dp_device_mesh: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # A group of this rank's pipeline ranks for small host-side exchanges (CPU tensors): the
+    # pipeline group itself where it takes CPU tensors, else a gloo group beside it.
+    pp_host_group_name: str = ""
 
     def dp_group(self) -> ProcessGroup | None:
         """The data-parallel process group of this rank, or ``None`` when ``dp == 1``."""
@@ -63,14 +67,18 @@ class Mesh:
         """The pipeline process group of this rank, or ``None`` when ``pp == 1``."""
         return resolve_group(self.pp_group_name)
 
+    def pp_host_group(self) -> ProcessGroup | None:
+        """The group of this rank's pipeline for CPU tensors (``None`` when ``pp == 1``)."""
+        return resolve_group(self.pp_host_group_name)
+
 
 def resolve_group(group_name: str) -> ProcessGroup | None:
     """The process group registered under ``group_name``; ``None`` for the empty name."""
     if not group_name:
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from zeroc.runtime.torch_compat import resolve_process_group
 
-    return _resolve_process_group(group_name)
+    return resolve_process_group(group_name)
 
 
 def group_device() -> torch.device:
@@ -151,7 +159,7 @@ def build_mesh(pp: int = 1, device_mesh: Any = None, device_type: str = "cpu") -
     world, rank, world_group = _world_and_rank()
     _check_pp(pp, world)
     if device_mesh is not None:
-        return _from_device_mesh(device_mesh, pp, world, rank)
+        return _from_device_mesh(device_mesh, pp, world, rank, device_mesh.device_type)
     if world_group is None:
         return Mesh(world=1, pp=1, dp=1, rank=0, pp_index=0, dp_index=0, dp_group_name="",
                     dp_group_ranks=(0,), pp_group_name="", pp_group_ranks=(0,))
@@ -162,12 +170,34 @@ def build_mesh(pp: int = 1, device_mesh: Any = None, device_type: str = "cpu") -
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh(device_type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
-    mesh = _from_device_mesh(device_mesh, pp, world, rank)
+    mesh = _from_device_mesh(device_mesh, pp, world, rank, device_type)
     _MESH_CACHE[(pp, device_type)] = (weakref.ref(world_group), mesh)
     return mesh
 
 
-def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int) -> Mesh:
+def _host_groups(device_mesh: Any, rank: int) -> str:
+    """The name of the group of ``rank``'s pipeline ranks that takes CPU tensors.
+
+    A pipeline checks its ranks' batch shapes on the host before its first transfer of a
+    step (``runtime/pipeline_inputs``); an NCCL group takes no CPU tensor, so a gloo group of
+    the same ranks is made beside each pipeline group (group creation is collective: every
+    rank makes every pipeline's, in the same order). A planned world (the ``fake`` backend,
+    one process standing for every rank) makes its own and holds it to the CPU rule
+    (``nccl_devices.host_group``)."""
+    layout = device_mesh.mesh  # (pp, dp) global ranks
+    backend = None if dist.get_backend() == "fake" else "gloo"
+    mine = None
+    for d in range(layout.shape[1]):
+        ranks = [int(r) for r in layout[:, d].tolist()]
+        group = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine = group
+    host_group(mine)
+    return mine.group_name if mine is not None else ""
+
+
+def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int,
+                      device_type: str = "cpu") -> Mesh:
     names = tuple(device_mesh.mesh_dim_names or ())
     if "dp" not in names or any(n not in ("pp", "dp") for n in names):
         raise ValueError(
@@ -193,6 +223,10 @@ def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int) -> Mesh:
             pp_group)
     else:
         pp_group, pp_index, pp_ranks = None, 0, [rank]
+    host_name = ""
+    if pp_group is not None and mesh_pp > 1:
+        host_name = (pp_group.group_name if device_type == "cpu"
+                     else _host_groups(device_mesh, rank))
     return Mesh(
         world=world, pp=mesh_pp, dp=dp, rank=rank,
         pp_index=pp_index, dp_index=dp_mesh.get_local_rank(),
@@ -201,4 +235,5 @@ def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int) -> Mesh:
         pp_group_name=pp_group.group_name if pp_group is not None and mesh_pp > 1 else "",
         pp_group_ranks=tuple(pp_ranks),
         dp_device_mesh=dp_mesh,
+        pp_host_group_name=host_name,
     )

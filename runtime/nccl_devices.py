@@ -22,14 +22,17 @@ import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+import torch.distributed as dist
 
-__all__ = ["CollectiveDeviceError", "StrictDevices", "active_check", "call_site", "strict_devices"]
+from zeroc.runtime.torch_compat import TorchDispatchMode, resolve_process_group, tree_leaves
+
+__all__ = ["CollectiveDeviceError", "StrictDevices", "active_check", "call_site", "host_group",
+           "strict_devices"]
 
 # The operator namespaces whose tensors cross the network.
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd",
@@ -37,6 +40,27 @@ _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functiona
 # c10d operators that move no tensor data of the caller's (their tensors are the work's).
 _EXEMPT = frozenset({"wait_tensor", "monitored_barrier_"})
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# Groups made for host-side exchanges (gloo beside NCCL), which take CPU tensors only: by
+# name, held weakly (group names are reused once a world is destroyed and another made).
+_HOST_GROUPS: dict[str, weakref.ref] = {}
+
+
+def host_group(group: Any) -> None:
+    """Declare ``group`` (a ``ProcessGroup``) a host group: it takes CPU tensors only."""
+    if group is not None:
+        _HOST_GROUPS[group.group_name] = weakref.ref(group)
+
+
+def _is_host(name: str, group: Any) -> bool:
+    ref = _HOST_GROUPS.get(name)
+    if ref is None:
+        return False
+    if group is None:  # a functional collective names its group: resolve it
+        try:
+            group = resolve_process_group(name)
+        except (RuntimeError, ValueError, KeyError):
+            return False
+    return ref() is group
 
 
 class CollectiveDeviceError(RuntimeError):
@@ -55,17 +79,22 @@ def call_site() -> str:
     return "<torch internals>"
 
 
-def _group_of(args: Any, kwargs: Any) -> str:
-    """The group a c10d call names: a ``ProcessGroup`` argument's name, or a functional
-    collective's group-name string."""
+def _group_of(args: Any, kwargs: Any) -> tuple[str, Any]:
+    """The group a c10d call names: a ``ProcessGroup`` argument (its name and itself), or a
+    functional collective's group-name string (and ``None``)."""
     for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.ScriptObject):  # a c10d op's boxed ProcessGroup
+            try:
+                value = dist.ProcessGroup.unbox(value)
+            except (RuntimeError, TypeError):
+                continue
         name = getattr(value, "group_name", None)
         if isinstance(name, str):
-            return name
+            return name, value
     for value in args:
         if isinstance(value, str) and value:
-            return value
-    return "the default group"
+            return value, None
+    return "the default group", None
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -99,10 +128,19 @@ class StrictDevices(TorchDispatchMode):
         if (func.namespace in _COLLECTIVE_NAMESPACES
                 and func.__name__.split(".")[0] not in _EXEMPT):
             self.checked += 1
+            group, process_group = _group_of(args, kwargs)
+            host = _is_host(group, process_group)
             for value in tree_leaves((args, kwargs)):
-                if isinstance(value, torch.Tensor) and not self._on_device(value):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if host and value.device.type != "cpu":
                     raise CollectiveDeviceError(
-                        f"zeroc: {func} on group {_group_of(args, kwargs)!r} was given "
+                        f"zeroc: {func} on the host group {group!r} was given "
+                        f"{_describe(value)}, at {call_site()}; a gloo group takes CPU "
+                        "tensors")
+                if not host and not self._on_device(value):
+                    raise CollectiveDeviceError(
+                        f"zeroc: {func} on group {group!r} was given "
                         f"{_describe(value)}, at {call_site()}; NCCL takes only tensors on "
                         f"the rank's device ({self.device}): move it there first "
                         "(tensor.to(device)) or make it there")

@@ -11,10 +11,13 @@ real tensors (random floats, zero integers: valid indices and targets for every 
 them), runs it a few times and keeps the median, once per distinct call. Results persist under
 ``<cache_dir>/op_times/``, keyed by CPU model, core count, torch version, thread count and
 the timing method, so a second plan of the same shapes measures nothing (each call on the
-host clock; on a CUDA device, its device time between two events). Between two timed
-calls 1 MiB is written: in a graph other ops run between two calls of one op, so its
-inputs are not all in the core's own cache (timed back to back, matmuls and small pointwise
-ops ran up to 5x faster than inside the graph; with 8 MiB written they ran up to 2x slower).
+host clock; on a CUDA device, its device time between two events). The table is a record of
+``zeroc.runtime.cached_files``: one with a time that is not a finite number of seconds in
+[0, 3600], another user's file or a corrupt one is ignored with a log line and measured
+again. Between two timed calls 1 MiB is written: in a graph other ops run between two calls
+of one op, so its inputs are not all in the core's own cache (timed back to back, matmuls
+and small pointwise ops ran up to 5x faster than inside the graph; with 8 MiB written they
+ran up to 2x slower).
 Each timed call's output is held (up to 64 MiB), as a training graph holds what its ops
 write: the allocator hands every call memory it has not just freed. Reusing the freed block
 timed a 256x128x384 addmm at 0.19 ms and a GELU over 4x64x512 at 0.09 ms where the same calls
@@ -38,13 +41,12 @@ import weakref
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._pytree import tree_leaves
 
-from zeroc.runtime.calibration import write_json
+from zeroc.runtime.cached_files import RecordError, number, read_record, store_record
 from zeroc.runtime.hardware import DEFAULT_CACHE_DIR, cpu_model
 from zeroc.runtime.shared_cores import no_spare_cores, slowdown_for
 from zeroc.runtime.step_clock import RegionTimer
+from zeroc.runtime.torch_compat import OpOverload, tree_leaves, unset_fake_temporarily
 
 __all__ = ["OpTimes", "encode_call", "op_times_for"]
 
@@ -58,6 +60,12 @@ _MAX_SECONDS = 0.02
 _FLUSH_BYTES = 1 << 20
 # How ops are timed, in the cache key: a table timed another way is not reused.
 _METHOD = "median-of-15, 1 MiB written between calls, outputs held"
+# The persisted table: its record kind and format, the longest time an entry may hold, the
+# longest encoded call and the largest file read back.
+_KIND, _FORMAT = "op times", 1
+_MAX_OP_SECONDS = 3600.0
+_MAX_CALL_CHARS = 1 << 16
+_MAX_TABLE_BYTES = 256 << 20
 # Outputs held across timed calls, at most: a training graph keeps what its ops write (saved
 # activations, gradients), so each op writes memory the allocator has just handed out.
 _KEPT_BYTES = 64 << 20
@@ -113,7 +121,7 @@ def encode_call(target: Any, args: tuple, kwargs: dict) -> str:
     if isinstance(key, str):
         _TIMED_CALLABLES[key] = target
         name = key
-    elif not isinstance(target, torch._ops.OpOverload):
+    elif not isinstance(target, OpOverload):
         return ""
     elif target.namespace in _SKIPPED_NAMESPACES \
             and f"{target.namespace}.{target._opname}" not in _COMPUTE_ONLY:
@@ -210,7 +218,8 @@ def _time_adamw(numels: list[int], dtensor: bool) -> float | None:
                     return None
                 from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.tensor import DTensor, Shard
-                from torch.testing._internal.distributed.fake_pg import FakeStore
+
+                from zeroc.runtime.torch_compat import FakeStore
 
                 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
                 made_group = True
@@ -235,6 +244,20 @@ def _time_adamw(numels: list[int], dtensor: bool) -> float | None:
             dist.destroy_process_group()
 
 
+def _check_table(data: Any) -> dict[str, float | None]:
+    """A persisted table: encoded calls to seconds in [0, ``_MAX_OP_SECONDS``] or None (a call
+    that cannot run); raises ``RecordError`` naming the first bad entry."""
+    if not isinstance(data, dict):
+        raise RecordError(f"the table is a {type(data).__name__}, not a dict")
+    for call, seconds in data.items():
+        if len(call) > _MAX_CALL_CHARS:
+            raise RecordError(f"a call of {len(call)} characters is longer than "
+                              f"{_MAX_CALL_CHARS}")
+        if seconds is not None:
+            data[call] = number(seconds, f"the time of {call[:80]}", 0.0, _MAX_OP_SECONDS)
+    return data
+
+
 class OpTimes:
     """Measured seconds per encoded call on this machine's CPU (see the module docstring)."""
 
@@ -252,23 +275,14 @@ class OpTimes:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
         self.root, self.path = root, os.path.join(root, "op_times", f"ops-{digest}.json")
+        self.key = key
         self.times: dict[str, float | None] = self._read()
         self.measured = 0
 
     def _read(self) -> dict[str, float | None]:
-        try:
-            with open(self.path, encoding="utf-8") as handle:
-                data = json.load(handle)
-            if isinstance(data, dict) and all(
-                    isinstance(k, str) and (v is None or isinstance(v, float))
-                    for k, v in data.items()):
-                return data
-            log.info("op timing: %s is not a table of times; measuring again", self.path)
-        except FileNotFoundError:
-            return {}  # nothing timed on this machine yet
-        except (OSError, ValueError) as error:
-            log.info("op timing: cannot read %s (%s); measuring again", self.path, error)
-        return {}
+        return read_record(self.path, _KIND, _FORMAT, self.key, _check_table,
+                           what="op timing table", log=log, root=self.root,
+                           max_bytes=_MAX_TABLE_BYTES) or {}
 
     def seconds(self, call: str) -> float | None:
         """Seconds of one run of ``call`` by one of the job's ranks (measured alone once, then
@@ -300,7 +314,8 @@ class OpTimes:
         only logged."""
         if not self.measured:
             return
-        write_json(self.root, self.path, self.times, "op timing table", log)
+        store_record(self.root, self.path, _KIND, _FORMAT, self.key, self.times,
+                     "op timing table", log)
         log.debug("op timing: measured %d calls (%d known) for %s", self.measured,
                   len(self.times), self.path)
         self.measured = 0

@@ -45,6 +45,7 @@ from zeroc.runtime import fake_replay
 from zeroc.runtime.actions import Action, ActionKind, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
+from zeroc.runtime.pipeline_inputs import check_same_shapes
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
 from zeroc.runtime.pipeline_program import PipelineLayout, StageProgram
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
@@ -124,6 +125,9 @@ class PipelineExecutor:
         self._grads: dict[int, torch.Tensor] = {}
         tensor = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         self._step_device = device = tensor.device if tensor is not None else torch.device("cpu")
+        layout = self.layout
+        check_same_shapes(inputs, self.sync.batch_inputs, layout.input_names,
+                          layout.host_group_name, layout.global_ranks)
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
         self._scale = self.sync.loss_scale(inputs, device)
         if self.zero is not None:

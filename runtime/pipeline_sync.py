@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
 
 from zeroc.runtime.actions import Action
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.step_clock import StepClock, host_row
+from zeroc.runtime.torch_compat import FakeTensor
 
 __all__ = ["LossScale", "StepSync", "StepTimings", "group_label", "read_rows"]
 
@@ -102,6 +102,19 @@ def read_rows(wait: bool, when: str) -> None:
         entry.sync.read(entry.host.tolist(), when)
 
 
+_FOLD = 1 << 52
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(flat: torch.Tensor) -> torch.Tensor:
+    """``flat``'s elements as the integers of their bit patterns (int64)."""
+    if flat.dtype == torch.bool:
+        return flat.to(torch.int64)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.contiguous().view(_BITS[flat.element_size()]).to(torch.int64)
+
+
 class StepSync:
     """The closing all-gather of one pipeline executor (see the module docstring)."""
 
@@ -142,17 +155,19 @@ class StepSync:
                          float(denominator))
 
     def digest(self, inputs: list[Any], device: torch.device) -> torch.Tensor:
-        """Two position-weighted sums per batch input: equal on ranks given equal batches."""
+        """Two position-weighted sums per batch input of its bit patterns (so NaN equals
+        NaN, and -0.0 differs from 0.0): equal on ranks given equal batches."""
         parts = []
         for index in self.batch_inputs:
-            flat = inputs[index].detach().reshape(-1).double()
+            flat = _bits(inputs[index].detach().reshape(-1))
             key = (flat.numel(), flat.device)
             weights = self._weights.get(key)
             if weights is None:
-                weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+                weights = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
                 weights = self._weights[key] = weights % 997 + 1
-            parts += [flat.sum(), (flat * weights).sum()]
-        return (torch.stack(parts).to(device) if parts
+            # int64 sums wrap alike on every rank; folded below 2**52 they are exact doubles.
+            parts += [flat.sum() % _FOLD, (flat * weights).sum() % _FOLD]
+        return (torch.stack(parts).to(device=device, dtype=torch.float64) if parts
                 else torch.zeros(0, dtype=torch.float64, device=device))
 
     def finish(self, loss: torch.Tensor, clock: StepClock, train: bool, inputs: list[Any],

@@ -40,7 +40,8 @@ from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.records import CollectiveInfo
 from zeroc.runtime.step_memory import allocation_label
-from zeroc.runtime.zero_ops import _all_gather_single, _reduce_scatter_single, group_size
+from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
+from zeroc.runtime.zero_ops import group_size
 
 __all__ = ["HoistedParam", "StepZero"]
 
@@ -174,7 +175,7 @@ class StepZero:
         packed = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
         gathered = packed.new_empty(ranks * packed.numel())
         with record(profile_name):
-            _all_gather_single(gathered, packed, group=resolve_group(first.group_name))
+            all_gather_single(gathered, packed, group=resolve_group(first.group_name))
         self.counts["all_gather"] += 1
         rows = gathered.view(ranks, -1)
         offset = 0
@@ -232,7 +233,7 @@ class StepZero:
         packed = torch.cat([g.view(ranks, -1) for _, g in bucket], dim=1).reshape(-1)
         shard = packed.new_empty(packed.numel() // ranks)
         with record(profile_name):
-            _reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group)
+            reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group)
         self.counts["reduce"] += 1
         shard.div_(dp)
         offset = 0

@@ -81,8 +81,10 @@ class PlanMeta:
     graph_hash: str
     # Every option's default (same keys as ``options``); the header shows the ones that differ.
     option_defaults: tuple[tuple[str, str], ...] = ()
-    # parallelize(layout="auto"): the zeroc.tune cache file the layout came from ("": none).
+    # parallelize(layout="auto"): the zeroc.tune cache file the layout came from ("": none)
+    # and what of the model matched it (structure, world, versions, input shapes).
     layout_from: str = ""
+    layout_match: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

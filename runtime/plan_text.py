@@ -57,12 +57,13 @@ def _header(plan: Plan, all_options: bool) -> list[str]:
              f"zero {meta.zero if meta.zero >= 0 else 'off'}")
     if meta.schedule != "none":
         place += f", schedule {meta.schedule}"
-    lines = [f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
-             f"{meta.torch_version}, triton {meta.triton_version})", place,
-             wrap(_options_line(meta, all_options), "  ")]
-    if meta.layout_from:
-        lines.append(wrap(f"layout and options tuned by zeroc.tune (parallelize(layout='auto'))"
-                          f", from {meta.layout_from}", "  "))
+    first = (f"zeroc plan {meta.graph_hash}  (zeroc {meta.zeroc_version}, torch "
+             f"{meta.torch_version}, triton {meta.triton_version})")
+    if meta.layout_from:  # where a cached layout came from, on the first line
+        first = wrap(f"{first}; layout and options tuned by zeroc.tune "
+                     f"(parallelize(layout='auto')), from {meta.layout_from}"
+                     + (f": {meta.layout_match}" if meta.layout_match else ""), "  ")
+    lines = [first, place, wrap(_options_line(meta, all_options), "  ")]
     if plan.estimate is not None:
         e = plan.estimate
         lines.append(wrap(

@@ -61,12 +61,12 @@ def track_device_mesh(device_mesh: Any) -> None:
 
 def is_destroyed(group: ProcessGroup) -> bool:
     """Whether ``group`` is no longer the group registered under its name."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from zeroc.runtime.torch_compat import resolve_process_group
 
     if not (dist.is_available() and dist.is_initialized()):
         return True
     try:
-        return _resolve_process_group(group.group_name) is not group
+        return resolve_process_group(group.group_name) is not group
     except (RuntimeError, ValueError):
         return True
 

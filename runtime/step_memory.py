@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from zeroc.runtime.torch_compat import TorchDispatchMode, tree_leaves
 
 __all__ = ["StepMemory", "allocation_label", "current_label", "current_tracker",
            "in_step", "ledgers_active", "note_made", "note_resized", "note_transient", "tracing",

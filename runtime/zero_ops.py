@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zeroc.runtime.mesh import Mesh, resolve_group
+from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
 __all__ = [
     "ZERO_STAGES",
@@ -55,9 +56,6 @@ __all__ = [
 ]
 
 ZERO_STAGES = (0, 1, 2, 3)
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def rows_per_shard(shape: tuple[int, ...], dp: int) -> int:
@@ -155,7 +153,7 @@ def _unshard(
     if ranks == 1:
         return shard[:numel].view(shape).clone()
     gathered = shard.new_empty(shard.numel() * ranks)
-    _all_gather_single(gathered, shard.contiguous(), group=resolve_group(group_name))
+    all_gather_single(gathered, shard.contiguous(), group=resolve_group(group_name))
     return gathered[:numel].view(shape)
 
 
@@ -191,7 +189,7 @@ def _reduce_grad(
     group = resolve_group(group_name)
     if zero_stage in (2, 3):
         shard = flat.new_empty(padded_numel // dp)
-        _reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=group)
         return shard.div_(dp)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     return flat.div_(dp)
@@ -341,9 +339,11 @@ class ZeroLayout:
     mesh: Mesh
     params: tuple[ParamShard, ...]
     # parallelize(layout="auto"): the compile options zeroc.tune chose with this layout (the
-    # compile's defaults; options the user passes win) and the tune cache file it came from.
+    # compile's defaults when the inputs have the shapes it was tuned for, ``tuned_inputs``;
+    # options the user passes win) and the tune cache file it came from.
     tuned_options: tuple[tuple[str, Any], ...] = ()
     tuned_from: str = ""
+    tuned_inputs: tuple[tuple[int, ...], ...] = ()
 
     @property
     def dp_group_name(self) -> str:

@@ -24,6 +24,7 @@ from dist_harness import run_ranks
 
 import zeroc
 from zeroc.runtime import calibration
+from zeroc.runtime.cached_files import checksum
 from zeroc.runtime.hardware import (
     SHAPE_CLASSES,
     HardwareProfile,
@@ -68,7 +69,9 @@ def test_single_process_calibration_of_this_cpu(measured: tuple[HardwareProfile,
     assert entry["key"]["format"] == calibration.FORMAT
     assert entry["key"]["torch"] == torch.__version__ and entry["key"]["world"] == 1
     assert entry["key"]["backend"] == "none" and entry["key"]["groups"] == []
-    assert HardwareProfile.from_dict(entry["profile"]) == profile
+    assert HardwareProfile.from_dict(entry["data"]) == profile
+    assert entry["sha256"] == checksum(calibration.PROFILE_KIND, calibration.FORMAT,
+                                       entry["key"], entry["data"])
 
 
 def _must_not_measure(*args: Any, **kwargs: Any) -> Any:
@@ -102,7 +105,8 @@ class _FakeMeasures:
 @pytest.mark.parametrize(("spoil", "reason"), [
     ("bad json", "Expecting"), ("not a dict", "list"), ("no matmul table", "matmul_flops"),
     ("no bandwidth", "memory_bytes_per_s"), ("other torch", "torch = '1.0.0'"),
-    ("other format", "format = 0"),
+    ("other format", "format = 0"), ("huge bandwidth", "memory_bytes_per_s = 1e+30"),
+    ("two-line note", "collectives_note"), ("edited", "checksum"),
 ])
 def test_corrupt_or_stale_file_is_measured_again(
         measured: tuple[HardwareProfile, str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
@@ -111,13 +115,22 @@ def test_corrupt_or_stale_file_is_measured_again(
     with open(path) as handle:
         entry = json.load(handle)
     if spoil == "no matmul table":
-        del entry["profile"]["matmul_flops"]
+        del entry["data"]["matmul_flops"]
     elif spoil == "no bandwidth":
-        del entry["profile"]["memory_bytes_per_s"]
+        del entry["data"]["memory_bytes_per_s"]
     elif spoil == "other torch":
         entry["key"]["torch"] = "1.0.0"
     elif spoil == "other format":
         entry["key"]["format"] = 0
+    elif spoil == "huge bandwidth":
+        entry["data"]["memory_bytes_per_s"] = 1e30
+    elif spoil == "two-line note":
+        entry["data"]["collectives_note"] = "two\nlines"
+    if spoil != "edited":  # a test's edit: the checksum made right again
+        entry["sha256"] = checksum(calibration.PROFILE_KIND, calibration.FORMAT, entry["key"],
+                                   entry["data"])
+    else:
+        entry["data"]["launch_floor_s"] = 1e-3
     text = {"bad json": "{not json", "not a dict": "[1, 2]"}.get(spoil, json.dumps(entry))
     spoiled = tmp_path / "calibration" / os.path.basename(path)
     spoiled.parent.mkdir()

@@ -39,6 +39,29 @@ def test_bad_option_names_key_value_and_allowed(options: dict, fragments: list[s
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(("key", "value", "allowed"), [
+    ("bucket_mb", float("inf"), "finite number of MiB in (0, 1048576]"),
+    ("bucket_mb", float("nan"), "finite number of MiB"),
+    ("bucket_mb", -1.0, "finite number of MiB"),
+    ("bucket_mb", 1e30, "finite number of MiB"),
+    ("prefetch", -1, "integer in [0, 4096]"),
+    ("prefetch", 10**9, "integer in [0, 4096]"),
+    ("prefetch", float("inf"), "integer in [0, 4096]"),
+    ("microbatches", 0, "None or an integer in [1, 65536]"),
+    ("microbatches", 10**9, "None or an integer in [1, 65536]"),
+    ("microbatches", float("nan"), "None or an integer in [1, 65536]"),
+])
+def test_numeric_options_must_be_finite_and_in_range(key: str, value: object,
+                                                     allowed: str) -> None:
+    """An infinite, NaN, negative or absurd value is refused when the options are read,
+    naming the option, rather than failing later somewhere that does not name it."""
+    with pytest.raises(ValueError) as info:
+        Config.build(None, {key: value})
+    assert f"option {key}={value!r}" in str(info.value) and allowed in str(info.value)
+    assert Config.build(None, {"bucket_mb": 1 << 20, "prefetch": 4096,
+                               "microbatches": 1 << 16}).bucket_mb == float(1 << 20)
+
+
 def test_bad_mode() -> None:
     with pytest.raises(ValueError, match="mode='turbo'.*'max-autotune'"):
         Config.build("turbo")

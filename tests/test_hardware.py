@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from zeroc.runtime import cpu_profile as cpu_profile_module
+from zeroc.runtime.cached_files import checksum
 from zeroc.runtime.cpu_profile import calibrate_cpu, cpu_profile
 from zeroc.runtime.hardware import (
     KNOWN_PROFILES,
@@ -264,15 +265,22 @@ def test_cpu_profile_is_measured_once_then_read(tmp_path: Any,
         entry = json.load(handle)
     assert entry["key"]["threads"] == torch.get_num_threads()
     assert entry["key"]["torch"] == torch.__version__
-    entry["profile"]["launch_floor_s"] = 7e-6  # the second call must return the file's figures
+    entry["data"]["launch_floor_s"] = 7e-6  # the second call must return the file's figures
     with open(path, "w") as handle:
-        json.dump(entry, handle)
+        json.dump(_resealed(entry), handle)
     second = cpu_profile(cache_dir=cache, seconds=1.0)
     assert counting.calls == 1
     assert second.launch_floor_s == 7e-6 and second.name == "cpu-fake"
 
 
-@pytest.mark.parametrize("spoil", ["bad json", "other key", "bad profile", "not a dict"])
+def _resealed(entry: dict) -> dict:
+    """A record whose checksum is right again after a test edited it."""
+    return {**entry, "sha256": checksum(entry["zeroc_cache"], entry["format"], entry["key"],
+                                        entry["data"])}
+
+
+@pytest.mark.parametrize("spoil", ["bad json", "other key", "bad profile", "not a dict",
+                                   "huge bandwidth", "edited"])
 def test_cpu_profile_redoes_a_corrupt_or_stale_file(
         tmp_path: Any, counting: _CountingCalibration, caplog: pytest.LogCaptureFixture,
         spoil: str) -> None:
@@ -284,7 +292,13 @@ def test_cpu_profile_redoes_a_corrupt_or_stale_file(
     if spoil == "other key":
         entry["key"]["threads"] += 1
     elif spoil == "bad profile":
-        entry["profile"]["memory_bytes_per_s"] = -1
+        entry["data"]["memory_bytes_per_s"] = -1
+    elif spoil == "huge bandwidth":
+        entry["data"]["memory_bytes_per_s"] = 1e30
+    elif spoil == "edited":
+        entry["data"]["launch_floor_s"] = 7e-6
+    if spoil != "edited":
+        entry = _resealed(entry)
     text = {"bad json": "{not json", "not a dict": "[1, 2]"}.get(spoil, json.dumps(entry))
     with open(path, "w") as handle:
         handle.write(text)

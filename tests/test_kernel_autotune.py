@@ -104,7 +104,7 @@ def test_autotune_on_persists_the_winner_and_reuses_it(fake_gpu, tmp_path):
     [record] = records(cache)
     assert record["key"] == {"source_hash": info.source_hash, "device": FAKE_GPU,
                              "dtypes": "float32->float32", "shape_class": "n512"}
-    assert record["config"] == {"BLOCK": 2048, "num_warps": 8}
+    assert record["data"] == {"BLOCK": 2048, "num_warps": 8}
     assert launched(info).block == (("BLOCK", 2048), ("num_warps", 8))
 
     # A fresh process-level cache (memory emptied, new kernel object) reads the record and

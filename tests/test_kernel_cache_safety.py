@@ -27,6 +27,7 @@ from zeroc.codegen import autotune, compile_cache
 from zeroc.codegen.fused_kernel import FusedKernel
 from zeroc.passes.base import PassContext
 from zeroc.passes.fusion import fusion
+from zeroc.runtime.cached_files import checksum
 from zeroc.runtime.errors import OptionError
 
 
@@ -94,6 +95,20 @@ def test_corrupt_kernel_file_is_replaced(interpreter, tmp_path, caplog, corrupti
     assert "rewriting it" in caplog.text
 
 
+def test_a_matching_kernel_file_others_can_write_is_rewritten(interpreter, tmp_path, caplog):
+    cache = str(tmp_path / "cache")
+    gm, kernel = fused(cache)
+    path = compile_cache.kernel_path(kernel.source, cache)
+    os.makedirs(os.path.dirname(path), mode=0o700)
+    with open(path, "w") as handle:
+        handle.write(kernel.source)
+    os.chmod(path, 0o666)
+    with caplog.at_level(logging.WARNING, logger="zeroc.codegen.compile_cache"):
+        check_runs(gm)
+    assert "not trusted" in caplog.text and "writable by group or others" in caplog.text
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
 def test_a_matching_file_is_reused_not_rewritten(interpreter, tmp_path):
     cache = str(tmp_path / "cache")
     gm, kernel = fused(cache)
@@ -155,7 +170,15 @@ def _tuned_record(cache: str, kernel: FusedKernel) -> str:
     return os.path.join(cache, "autotune", key.file_name())
 
 
-@pytest.mark.parametrize("corruption", ["not json", "wrong fields", "other key", "bad config"])
+def _sealed(key: dict, config: dict) -> str:
+    """An autotune record as zeroc writes it (its checksum right) for ``key`` and ``config``."""
+    fmt = autotune.RECORD_FORMAT
+    return json.dumps({"zeroc_cache": "autotune", "format": fmt, "key": key, "data": config,
+                       "sha256": checksum("autotune", fmt, key, config)})
+
+
+@pytest.mark.parametrize("corruption", ["not json", "wrong fields", "other key", "bad config",
+                                        "edited", "others can write"])
 def test_corrupt_tuning_record_is_replaced(interpreter, tmp_path, caplog, corruption):
     cache = str(tmp_path / "cache")
     interpreter.setattr(autotune, "is_gpu", lambda device: True)
@@ -168,16 +191,21 @@ def test_corrupt_tuning_record_is_replaced(interpreter, tmp_path, caplog, corrup
     text = {
         "not json": "{not json",
         "wrong fields": json.dumps({"format": 1, "winner": good}),
-        "other key": json.dumps({"format": 1, "key": {**key, "device": "Other"}, "config": good}),
-        "bad config": json.dumps({"format": 1, "key": key, "config": {"BLOCK": 3}}),
+        "other key": _sealed({**key, "device": "Other"}, good),
+        "bad config": _sealed(key, {"BLOCK": 3}),
+        "edited": _sealed(key, good).replace("1024", "2048"),
+        "others can write": _sealed(key, good),
     }[corruption]
     os.makedirs(os.path.dirname(path), mode=0o700)
     with open(path, "w") as handle:
         handle.write(text)
+    if corruption == "others can write":
+        os.chmod(path, 0o666)
     with caplog.at_level(logging.WARNING, logger="zeroc"):
         check_runs(gm)
     assert "replaced" in caplog.text and path in caplog.text
     with open(path) as handle:
         record = json.load(handle)
-    assert record == {"format": 1, "key": key, "config": {"BLOCK": 512, "num_warps": 4}}
-    assert kernel._config.to_json() == record["config"]
+    assert record == json.loads(_sealed(key, {"BLOCK": 512, "num_warps": 4}))
+    assert kernel._config.to_json() == record["data"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

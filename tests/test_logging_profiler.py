@@ -168,9 +168,9 @@ def test_profiler_shows_per_step_zero_buckets(monkeypatch) -> None:
     # Two data-parallel ranks, faked: the collectives fill their outputs locally.
     monkeypatch.setattr(pipeline_zero, "group_size", lambda name: 2)
     monkeypatch.setattr(pipeline_zero, "resolve_group", lambda name: None)
-    monkeypatch.setattr(pipeline_zero, "_all_gather_single",
+    monkeypatch.setattr(pipeline_zero, "all_gather_single",
                         lambda out, inp, group=None: out.copy_(inp.repeat(2)))
-    monkeypatch.setattr(pipeline_zero, "_reduce_scatter_single",
+    monkeypatch.setattr(pipeline_zero, "reduce_scatter_single",
                         lambda out, inp, op=None, group=None: out.copy_(inp.view(2, -1).sum(0)))
     hoisted = {i: HoistedParam(index=i, name=f"w{i}", shape=(4,), numel=4, group_name="dp",
                                zero_stage=3, param_dtype=None, reduce_dtype=None)

@@ -19,9 +19,11 @@ import torch
 from models.gpt import GPT, GPTConfig
 
 import zeroc
+from zeroc.runtime.cached_files import checksum
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.hardware import get_profile
-from zeroc.tune_space import Candidate, cache_path, candidates, layout_path, model_key, write_cached
+from zeroc.tune_cache import TUNE_FORMAT, write_cached
+from zeroc.tune_space import Candidate, candidates
 
 NARROW = {"fused_loss": [True, False], "partitioner": ["default"]}
 
@@ -61,7 +63,7 @@ def test_tune_measures_the_best_and_caches_it(tmp_path, monkeypatch) -> None:
     table = result.table()
     assert "estimated step (ms)" in table and " *" in table
     saved = json.loads(open(result.cache_file).read())
-    assert Candidate.from_json(saved["best"]) == result.best
+    assert Candidate.from_json(saved["data"]["best"]) == result.best
     assert os.stat(os.path.dirname(result.cache_file)).st_mode & 0o777 == 0o700
 
     tune_module = sys.modules["zeroc.tune"]  # zeroc.tune is the function
@@ -85,7 +87,8 @@ def test_cache_from_another_torch_version_is_ignored(tmp_path, monkeypatch, capl
                        budget_s=300, measure_best=1, steps=1, hardware="a100-80gb",
                        cache_dir=str(tmp_path))
     saved = json.loads(open(first.cache_file).read())
-    saved["versions"]["torch"] = "1.0.0"
+    saved["key"]["versions"]["torch"] = "1.0.0"
+    saved["sha256"] = checksum("tune result", TUNE_FORMAT, saved["key"], saved["data"])
     open(first.cache_file, "w").write(json.dumps(saved))
     with caplog.at_level(logging.INFO, logger="zeroc"):
         again = zeroc.tune(model, inputs, search={"fused_loss": [True],
@@ -93,7 +96,7 @@ def test_cache_from_another_torch_version_is_ignored(tmp_path, monkeypatch, capl
                            budget_s=300, measure_best=1, steps=1, hardware="a100-80gb",
                            cache_dir=str(tmp_path))
     assert not again.from_cache
-    assert any("tuned with" in r.getMessage() and "1.0.0" in r.getMessage()
+    assert any("another setup" in r.getMessage() and "1.0.0" in r.getMessage()
                for r in caplog.records)
 
 
@@ -197,8 +200,21 @@ def test_parallelize_layout_auto_reads_the_tuned_layout(tmp_path) -> None:
     assert options["fused_loss"] == "False" and options["partitioner"] == "default"
     assert options["kernel_autotune"] == "True"  # what max-autotune itself sets
     assert plan.meta.layout_from == result.cache_file
-    assert "tuned by zeroc.tune" in str(plan)
+    first = _first_line(str(plan))
+    assert "tuned by zeroc.tune" in first and result.cache_file in first
+    assert "model structure, world 1" in first and "input shapes 4x16, 4x16 matched" in first
     assert zeroc.Plan.from_json(plan.to_json()) == plan
+
+
+def _first_line(text: str) -> str:
+    """The plan's first line, its wrapped continuation lines joined."""
+    lines = text.splitlines()
+    found = [lines[0]]
+    for line in lines[1:]:
+        if not line.startswith("  "):
+            break
+        found.append(line.strip())
+    return " ".join(found)
 
 
 def _auto_layout_with_a_cache_per_node(rank: int, world: int, root: str) -> tuple:
@@ -207,8 +223,7 @@ def _auto_layout_with_a_cache_per_node(rank: int, world: int, root: str) -> tupl
     cache_dir = os.path.join(root, f"node{rank}")
     if rank == 0:
         best = Candidate(zero=2, pp=1, options=(("fused_loss", False),))
-        write_cached(cache_path(cache_dir, model_key(model, inputs), world, "cpu"), best, [],
-                     layout_path(cache_dir, model, world, "cpu"))
+        write_cached(cache_dir, model, inputs, world, "cpu", best, [])
     parallel = zeroc.parallelize(model, layout="auto", cache_dir=cache_dir)
     tuned = zeroc.tune(model, inputs, cache_dir=cache_dir, budget_s=60)
     return (parallel._zeroc_layout.zero, dict(parallel._zeroc_layout.tuned_options),

@@ -47,6 +47,37 @@ def diverging_stages(rank: int, world: int) -> str:
     return "no error"
 
 
+class _Cholesky(torch.nn.Module):
+    """A layer, then the Cholesky factor of its Gram matrix shifted by ``shift``: a shift
+    that leaves it not positive-definite fails in this rank's own op, in a graph whose ZeRO
+    gathers communicate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        gram = h.T @ h + shift * torch.eye(8)
+        return torch.linalg.cholesky(gram).sum()
+
+
+def local_error(rank: int, world: int) -> str:
+    """Both ranks alive and in step; each one's own op fails (a value error, not a collective)."""
+    import zeroc
+
+    torch.manual_seed(0)
+    model = zeroc.parallelize(_Cholesky(), zero=3)
+    compiled = torch.compile(model, backend="zeroc")
+    x = torch.randn(16, 8)
+    compiled(x, torch.tensor(10.0)).backward()  # compiled and run once, ranks in step
+    try:
+        compiled(x, torch.tensor(-1e6))
+    except Exception as error:  # the test inspects what every rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def dies_mid_step(rank: int, world: int) -> tuple[str, float]:
     """Rank 1 exits after its forward; rank 0's backward must fail fast, not hang."""
     import zeroc
@@ -92,3 +123,41 @@ def test_a_rank_that_dies_mid_step_stops_the_others_with_a_clear_error() -> None
     assert text.startswith("CollectiveError: zeroc: rank 0 failed in g0.backward"), text
     assert "Another rank probably died" in text
     assert seconds < 60
+
+
+@pytest.mark.timeout(300)
+def test_a_local_error_on_every_rank_is_not_blamed_on_another_rank() -> None:
+    """Every rank fails in its own op (not positive-definite): each raises that error as it
+    is, not a CollectiveError saying that another rank probably died."""
+    results = run_ranks(local_error, 2, timeout=240)
+    for text in results:
+        assert "not positive-definite" in text, text
+        assert not text.startswith("CollectiveError") and "probably died" not in text, text
+
+
+@pytest.mark.parametrize(("error", "collective"), [
+    (RuntimeError("expected scalar type Float but found BFloat16"), False),
+    (RuntimeError("shape '[4, 8]' is invalid for input of size 30"), False),
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                  "peer [127.0.0.1]:40212"), True),
+    (RuntimeError("Timed out waiting 1800000ms for recv operation to complete"), True),
+    (torch.distributed.DistBackendError("NCCL communicator was aborted"), True),
+])
+def test_the_other_rank_hint_only_when_a_collective_failed(error: Exception,
+                                                           collective: bool) -> None:
+    from zeroc.runtime.errors import CollectiveError
+    from zeroc.runtime.executor import GraphExecutor, collective_failed
+
+    def fail(inputs: list) -> None:
+        raise error
+
+    executor = GraphExecutor(torch.fx.symbolic_trace(torch.nn.Identity()), "g0.forward", fail)
+    executor.communicates = True  # as a graph with ZeRO collectives
+    assert collective_failed(error) is collective
+    with pytest.raises(RuntimeError) as info:
+        executor([torch.ones(1)])
+    if collective:
+        assert isinstance(info.value, CollectiveError) and info.value.__cause__ is error
+        assert "Another rank probably died" in str(info.value)
+    else:
+        assert info.value is error

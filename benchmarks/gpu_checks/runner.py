@@ -135,7 +135,7 @@ def synchronize(device: str) -> None:
 
 def release_memory() -> None:
     """Drop compiled code and free cached device memory between sections."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
