@@ -40,6 +40,7 @@ if _PREVIOUS_SIGINT is not None:
     signal.signal(signal.SIGINT, _PREVIOUS_SIGINT)
 
 if TYPE_CHECKING:
+    from zeroc.checkpoint import load_checkpoint, save_checkpoint
     from zeroc.config import Config
     from zeroc.runtime.plan import Plan
     from zeroc.runtime.zero_ops import MixedPrecision
@@ -61,9 +62,11 @@ __all__ = [
     "data_parallel_size",
     "explain",
     "full_state_dict",
+    "load_checkpoint",
     "load_full_state_dict",
     "no_sync",
     "parallelize",
+    "save_checkpoint",
     "set_requires_gradient_sync",
     "tune",
 ]
@@ -73,6 +76,8 @@ _LAZY = {
     "MixedPrecision": ("zeroc.runtime.zero_ops", "MixedPrecision"),
     "Plan": ("zeroc.runtime.plan", "Plan"),
     "clip_grad_norm_": ("zeroc.training", "clip_grad_norm_"),
+    "load_checkpoint": ("zeroc.checkpoint", "load_checkpoint"),
+    "save_checkpoint": ("zeroc.checkpoint", "save_checkpoint"),
     "data_parallel_rank": ("zeroc.training", "data_parallel_rank"),
     "data_parallel_size": ("zeroc.training", "data_parallel_size"),
     "no_sync": ("zeroc.training", "no_sync"),
