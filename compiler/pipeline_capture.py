@@ -99,12 +99,6 @@ class PipelineRecord:
     stage_param_names: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
-def _input_name(placeholder: str) -> str:
-    """The forward's argument a Dynamo placeholder stands for (``L_idx_`` -> ``idx``)."""
-    name = placeholder.removeprefix("L_").removeprefix("l_").strip("_")
-    return f"input {name!r}"
-
-
 def _param_name(flat: Any) -> str:
     return getattr(getattr(flat, "_zeroc_param", None), "param_name", "")
 
@@ -245,7 +239,7 @@ def _compile_pipeline(
             hoisted=hoisted_here,
             bucket_mb=config.bucket_mb,
             host_group_name=layout.mesh.pp_host_group_name,
-            input_names={i: _input_name(names[i]) for i in batch_inputs},
+            input_names={i: f"input {names[i]!r}" for i in batch_inputs},  # source names
         ),
         programs,
     )

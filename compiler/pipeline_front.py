@@ -113,16 +113,18 @@ def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any], params: set[int],
     """The inputs cut into micro-batches (every user tensor input with a dimension, but those
     named in ``unsplit``) and the batch size they share."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    tensors = {i for i, (n, v) in enumerate(zip(placeholders, inputs, strict=False))
-               if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
-               and _is_user_input(n)}
-    named = {source_name(placeholders[i]): i for i in tensors}
+    # The user's tensor inputs with a dimension, by the forward's argument name.
+    named = {source_name(n): i for i, (n, v) in enumerate(zip(placeholders, inputs,
+                                                              strict=False))
+             if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
+             and _is_user_input(n)}
     unknown = [name for name in unsplit if name not in named]
     if unknown:
         raise ValueError(f"zeroc pipeline: unsplit_inputs names {unknown}, which the forward "
                          f"does not take as a tensor; its tensor inputs are {sorted(named)}")
-    batch = {i for i in tensors if source_name(placeholders[i]) not in unsplit}
-    sizes = {source_name(placeholders[i]): int(inputs[i].shape[0]) for i in sorted(batch)}
+    cut = {name: i for name, i in named.items() if name not in unsplit}
+    batch = set(cut.values())
+    sizes = {name: int(inputs[i].shape[0]) for name, i in sorted(cut.items(), key=lambda c: c[1])}
     if not sizes:
         raise ValueError("zeroc pipeline: the model takes no tensor input to cut into "
                          "micro-batches; pass the batch as tensors (batch in dimension 0)")
