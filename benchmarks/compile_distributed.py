@@ -147,7 +147,7 @@ def first_steps(rank: int, world: int, name: str, setup: Setup) -> dict[str, flo
 
 def measure(name: str, setup: Setup, world: int, timeout: float) -> dict[str, float]:
     """The slower rank's first and second step of ``name`` in fresh ranks."""
-    from zeroc.launch import run_ranks
+    from zeroc.cli.launch import run_ranks
 
     ranks = run_ranks(first_steps, world, name, setup, timeout=timeout)
     return {key: max(r[key] for r in ranks) for key in ("first_s", "second_s")}

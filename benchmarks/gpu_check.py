@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--kernel-rows", type=int, default=8192, help="kernels: rows (default 8192)")
     add("--kernel-cols", type=int, default=4096, help="kernels: columns (default 4096)")
     add("--hardware", metavar="NAME", default=None,
-        help="hardware profile for the MFU's peak FLOP/s, a name zeroc.runtime.hardware."
+        help="hardware profile for the MFU's peak FLOP/s, a name zeroc.runtime.cost.hardware."
         "get_profile knows (e.g. h200, h100-sxm, a100-80gb); default: looked up from "
         "torch.cuda.get_device_name()")
     add("--peak-tflops", type=float, default=None,

@@ -18,7 +18,7 @@ starts that the longest one like it so far says would end past it, so the defaul
   timed with ``triton.testing.do_bench`` next to eager and Inductor, checked against eager. Each
   time also gives the achieved bandwidth: bytes moved (inputs plus outputs) / time, in GB/s
   and as a fraction of the device's HBM bandwidth, which comes from zeroc's hardware profile
-  of ``torch.cuda.get_device_name()`` (``zeroc.runtime.hardware``), else ``--hbm-gbps``, else
+  of ``torch.cuda.get_device_name()`` (``zeroc.runtime.cost.hardware``), else ``--hbm-gbps``, else
   it is "unknown".
 
 Tables are printed; everything is written as JSON to ``--out``:
@@ -126,7 +126,7 @@ def resolve_hbm(device_name: str | None, hbm_gbps: float | None) -> dict[str, An
     reason = "no CUDA device name" if device_name is None else None
     if device_name is not None:
         try:
-            from zeroc.runtime.hardware import profile_for_device_name
+            from zeroc.runtime.cost.hardware import profile_for_device_name
 
             profile = profile_for_device_name(device_name)
             if profile is not None:
@@ -134,7 +134,7 @@ def resolve_hbm(device_name: str | None, hbm_gbps: float | None) -> dict[str, An
                         "source": f"zeroc hardware profile {profile.name!r}"}
             reason = f"no zeroc hardware profile matches {device_name!r}"
         except Exception as error:  # the profile is optional: fall back to the flag
-            reason = f"zeroc.runtime.hardware failed ({type(error).__name__}: {error})"
+            reason = f"zeroc.runtime.cost.hardware failed ({type(error).__name__}: {error})"
     if hbm_gbps:
         return {"bytes_per_s": hbm_gbps * 1e9, "source": "--hbm-gbps", "reason": reason}
     return {"bytes_per_s": None, "source": "unknown", "reason": f"{reason}; pass --hbm-gbps"}

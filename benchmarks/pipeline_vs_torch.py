@@ -6,7 +6,7 @@ tie across stages), trains with AdamW on ``--world`` gloo ranks (4 by default; o
 each), a global batch of 16 in 8 micro-batches. ``--repeats`` runs every configuration once per
 repeat, interleaved, and reports the median over the repeats of the step time, CPU time, peak
 RSS and model state (parameters, gradients and Adam state a rank holds). Each configuration runs in
-fresh ranks (``zeroc.launch.run_ranks``), so a rank's peak RSS is that configuration's alone:
+fresh ranks (``zeroc.cli.launch.run_ranks``), so a rank's peak RSS is that configuration's alone:
 
 - ``zeroc_dualpipev`` / ``zeroc_1f1b``: ``zeroc.parallelize(model, zero=0, pp=4)`` (replicated
   parameters, dp=1: no sharding, as in torch's pipelining alone) and ``torch.compile(model,
@@ -52,7 +52,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 
-from zeroc.launch import run_ranks  # noqa: E402
+from zeroc.cli.launch import run_ranks  # noqa: E402
 
 CONFIGS = ("zeroc_dualpipev", "torch_dualpipev", "zeroc_1f1b", "torch_1f1b")
 # Ablations, run only when named in --configs: zeroc with blocking p2p (every receive and send
@@ -191,7 +191,7 @@ def action_kind(label: str) -> str:
 def add_action_times(totals: dict[str, float], compiled: Any, rank: int, step_s: float) -> None:
     """Add this rank's last-step seconds per action kind, gaps between actions and the time
     of the step outside the executor (Dynamo call, gradient hand-off, AdamW) to ``totals``."""
-    from zeroc.session import SESSION_ATTR, wrapper_of
+    from zeroc.frontend.session import SESSION_ATTR, wrapper_of
 
     timings = getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor.timings
     labels, spans = timings.labels[rank], timings.times[rank]

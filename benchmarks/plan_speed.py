@@ -13,7 +13,7 @@ model state the plan gives a rank of the first pipeline position.
     python benchmarks/plan_speed.py [--models 7b,70b] [--device cpu] [--tune] [--json F]
 
 ``--tune`` also times ``zeroc.tune(world=..., device="cuda", hardware="h100-sxm")`` on each
-model: every candidate layout screened, the best planned in full (``zeroc.tune_world``).
+model: every candidate layout screened, the best planned in full (``zeroc.tuning.tune_world``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How well the tuner's screen ranks layouts against full plans of the same layouts.
 
 ``zeroc.tune(world=W)`` screens every candidate on one profiled fake step
-(``zeroc.tune_screen``) and plans only the screen's best. This script screens and fully plans
+(``zeroc.tuning.tune_screen``) and plans only the screen's best. This script screens and fully plans
 (``zeroc.explain(world=...)`` on fake tensors) every candidate of a search for a small
 Hugging Face Llama on a hardware profile, and prints, per candidate, the screened and the
 planned step and peak with their ratios, then Spearman's rank correlation of each.
@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hardware", default="h100-sxm")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    from zeroc.model_profile import profile_model
-    from zeroc.runtime.hardware import get_profile
-    from zeroc.tune_result import spearman
-    from zeroc.tune_screen import screen
-    from zeroc.tune_space import candidates
-    from zeroc.world_plan import plan_world
+    from zeroc.runtime.cost.hardware import get_profile
+    from zeroc.tuning.tune_result import spearman
+    from zeroc.tuning.tune_screen import screen
+    from zeroc.tuning.tune_space import candidates
+    from zeroc.world.model_profile import profile_model
+    from zeroc.world.world_plan import plan_world
 
     shape = dict(layers=args.layers, hidden=args.hidden, ffn=args.hidden * 11 // 4, heads=8,
                  kv_heads=8, vocab=8000)

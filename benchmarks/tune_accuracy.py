@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
-from zeroc.launch import run_ranks  # noqa: E402
-from zeroc.tune_result import spearman  # noqa: E402
+from zeroc.cli.launch import run_ranks  # noqa: E402
+from zeroc.tuning.tune_result import spearman  # noqa: E402
 
 
 def _model(args: argparse.Namespace) -> GPT:
@@ -57,11 +57,11 @@ def pick(space: list, limit: int) -> list:
 
 
 def _measure_world(rank: int, world: int, args: argparse.Namespace) -> dict | None:
-    """One gloo rank (``zeroc.launch.run_ranks``): rank 0 returns the world's rows."""
+    """One gloo rank (``zeroc.cli.launch.run_ranks``): rank 0 returns the world's rows."""
     import zeroc
-    from zeroc.tune import measure
-    from zeroc.tune_estimate import estimate_all
-    from zeroc.tune_space import candidates
+    from zeroc.tuning.tune import measure
+    from zeroc.tuning.tune_estimate import estimate_all
+    from zeroc.tuning.tune_space import candidates
 
     model = _model(args)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq),

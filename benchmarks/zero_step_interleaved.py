@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from models.gpt import GPTConfig, random_token_batch  # noqa: E402
 from zero_vs_fsdp2 import CONFIGS, RATIOS, Setup, build  # noqa: E402
 
-from zeroc.launch import run_ranks  # noqa: E402
+from zeroc.cli.launch import run_ranks  # noqa: E402
 
 
 def interleaved_rank(rank: int, world: int, names: list[str], setup: Setup, rounds: int,

@@ -2,7 +2,7 @@
 
 The zoo GPT (about 4.2M parameters by default: width 256, 4 layers, vocab 4096, sequence 128)
 trains with AdamW on 2 gloo ranks on CPU, batch 8 x 128 per rank. Each configuration runs in
-its own fresh ranks (``zeroc.launch.run_ranks``, one thread per rank), so the peak RSS a rank
+its own fresh ranks (``zeroc.cli.launch.run_ranks``, one thread per rank), so the peak RSS a rank
 reports belongs to that configuration alone:
 
 - ``zeroc_zero3``: ``zeroc.parallelize(model, zero=3)``, then ``torch.compile(model,
@@ -51,7 +51,7 @@ from tabulate import tabulate
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 
-from zeroc.launch import run_ranks  # noqa: E402
+from zeroc.cli.launch import run_ranks  # noqa: E402
 
 CONFIGS = ("zeroc_zero3", "zeroc_zero2", "fsdp2", "fsdp2_compiled", "ddp")
 ZEROC_STAGES = {"zeroc_zero3": 3, "zeroc_zero2": 2}

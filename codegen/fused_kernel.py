@@ -22,8 +22,8 @@ from zeroc.codegen.compile_cache import load_kernel, source_hash
 from zeroc.codegen.kernel_ir import KernelIR
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.executor import PROFILE_PREFIX, record
-from zeroc.runtime.plan import record_launch
-from zeroc.runtime.records import KernelInfo
+from zeroc.runtime.plan.plan import record_launch
+from zeroc.runtime.plan.records import KernelInfo
 from zeroc.runtime.torch_compat import FakeTensor, OpOverload
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class FusedKernel:
         self.ir = ir
         self.source = source
         self.source_hash = source_hash(source)
-        # How the step estimate's op timing names this kernel (``zeroc.runtime.op_timing``).
+        # How the step estimate's op timing names this kernel (``zeroc.runtime.cost.op_timing``).
         self.timing_key = f"zeroc.kernel_{self.source_hash[:16]}.{backend}"
         self.aten_graph = aten_graph
         # The generated function itself: nn.Module's call machinery costs more per call than

@@ -33,7 +33,7 @@ import torch.fx
 
 from zeroc.codegen.fused_kernel import choose_backend
 from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP
-from zeroc.runtime.records import KernelInfo
+from zeroc.runtime.plan.records import KernelInfo
 
 __all__ = ["InductorGraph", "code_collective_order", "compile_graph", "graph_collective_order",
            "inductor_kernels", "inductor_decompositions", "kernel_path"]

@@ -28,23 +28,23 @@ _PREVIOUS_SIGINT = None
 if sys.argv[:1] == ["-m"] and threading.current_thread() is threading.main_thread():
     _PREVIOUS_SIGINT = signal.signal(signal.SIGINT, _interrupted_while_importing)
 
-from zeroc.calibrate import calibrate  # noqa: E402
-from zeroc.explain import explain  # noqa: E402
-from zeroc.log_setup import register_logging  # noqa: E402
-from zeroc.parallelize import parallelize  # noqa: E402
-from zeroc.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
-from zeroc.tune import tune  # noqa: E402
+from zeroc.frontend.log_setup import register_logging  # noqa: E402
+from zeroc.sharding.parallelize import parallelize  # noqa: E402
+from zeroc.sharding.state_dict import full_state_dict, load_full_state_dict  # noqa: E402
+from zeroc.tuning.calibrate import calibrate  # noqa: E402
+from zeroc.tuning.tune import tune  # noqa: E402
+from zeroc.world.explain import explain  # noqa: E402
 
 register_logging()  # TORCH_LOGS="zeroc" / "+zeroc" turns zeroc's loggers on
 if _PREVIOUS_SIGINT is not None:
     signal.signal(signal.SIGINT, _PREVIOUS_SIGINT)
 
 if TYPE_CHECKING:
-    from zeroc.checkpoint import load_checkpoint, save_checkpoint
-    from zeroc.config import Config
-    from zeroc.runtime.plan import Plan
+    from zeroc.frontend.config import Config
+    from zeroc.runtime.plan.plan import Plan
     from zeroc.runtime.zero_ops import MixedPrecision
-    from zeroc.training import (
+    from zeroc.sharding.checkpoint import load_checkpoint, save_checkpoint
+    from zeroc.sharding.training import (
         clip_grad_norm_,
         data_parallel_rank,
         data_parallel_size,
@@ -72,16 +72,16 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Config": ("zeroc.config", "Config"),
+    "Config": ("zeroc.frontend.config", "Config"),
     "MixedPrecision": ("zeroc.runtime.zero_ops", "MixedPrecision"),
-    "Plan": ("zeroc.runtime.plan", "Plan"),
-    "clip_grad_norm_": ("zeroc.training", "clip_grad_norm_"),
-    "load_checkpoint": ("zeroc.checkpoint", "load_checkpoint"),
-    "save_checkpoint": ("zeroc.checkpoint", "save_checkpoint"),
-    "data_parallel_rank": ("zeroc.training", "data_parallel_rank"),
-    "data_parallel_size": ("zeroc.training", "data_parallel_size"),
-    "no_sync": ("zeroc.training", "no_sync"),
-    "set_requires_gradient_sync": ("zeroc.training", "set_requires_gradient_sync"),
+    "Plan": ("zeroc.runtime.plan.plan", "Plan"),
+    "clip_grad_norm_": ("zeroc.sharding.training", "clip_grad_norm_"),
+    "load_checkpoint": ("zeroc.sharding.checkpoint", "load_checkpoint"),
+    "save_checkpoint": ("zeroc.sharding.checkpoint", "save_checkpoint"),
+    "data_parallel_rank": ("zeroc.sharding.training", "data_parallel_rank"),
+    "data_parallel_size": ("zeroc.sharding.training", "data_parallel_size"),
+    "no_sync": ("zeroc.sharding.training", "no_sync"),
+    "set_requires_gradient_sync": ("zeroc.sharding.training", "set_requires_gradient_sync"),
 }
 
 

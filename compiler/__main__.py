@@ -1,6 +1,6 @@
 """``python -m zeroc <command>``: ``demo`` trains a small GPT with zeroc and prints its plan;
-``explain`` plans a job for a world that is not there (``zeroc.explain_cli``); ``tune``
-chooses a layout and options (``zeroc.tune_cli``).
+``explain`` plans a job for a world that is not there (``zeroc.cli.explain_cli``); ``tune``
+chooses a layout and options (``zeroc.cli.tune_cli``).
 
 ``python -m`` puts the current directory first on ``sys.path``; the commands move it last, so
 a file there named like a package zeroc imports later (``filelock.py``) does not replace it,
@@ -31,15 +31,15 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     _current_directory_last()
     if command == "demo":
-        from zeroc.demo import run_demo
+        from zeroc.cli.demo import run_demo
 
         return run_demo(rest)
     if command == "explain":
-        from zeroc.explain_cli import run_explain
+        from zeroc.cli.explain_cli import run_explain
 
         return run_explain(rest)
     if command == "tune":
-        from zeroc.tune_cli import run_tune
+        from zeroc.cli.tune_cli import run_tune
 
         return run_tune(rest)
     print(f"python -m zeroc: unknown command {command!r}; known: {list(COMMANDS)}",

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zeroc.codegen.inductor_graphs import kernel_path
 from zeroc.passes.base import PassContext, PassResult
-from zeroc.runtime.cost import tensor_bytes
+from zeroc.runtime.cost.cost import tensor_bytes
 from zeroc.runtime.torch_compat import OpOverload
 
 aten = torch.ops.aten

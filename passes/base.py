@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from zeroc.runtime.records import PassInfo
+from zeroc.runtime.plan.records import PassInfo
 from zeroc.runtime.torch_compat import LazyGraphModule
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class PassContext:
 
     ``config`` is the frozen Config; ``graph_name`` names the graph in the plan (e.g.
     ``"g0.forward"``); ``kind`` is ``"forward"``, ``"backward"`` or ``"inference"``.
-    ``kernels`` collects the kernel records (``zeroc.runtime.plan.KernelInfo``) produced by
+    ``kernels`` collects the kernel records (``zeroc.runtime.plan.plan.KernelInfo``) produced by
     codegen; ``collectives`` and ``extras`` let later passes publish facts for the plan.
     """
 

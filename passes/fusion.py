@@ -37,7 +37,7 @@ from zeroc.codegen.triton_emit import emit_source
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.passes.decompositions import decompose_where_fused
 from zeroc.runtime.cached_files import private_dir
-from zeroc.runtime.records import KernelInfo
+from zeroc.runtime.plan.records import KernelInfo
 from zeroc.runtime.torch_compat import unset_fake_temporarily
 
 aten = torch.ops.aten

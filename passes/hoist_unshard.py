@@ -12,7 +12,7 @@ input. An unshard of anything else stays in the graph. A pipeline never traces a
 unsynchronised accumulation (``pending``): its step keeps those sums itself.
 
 The stage graphs are then traced on fake full-size parameters of a fake tensor mode of their
-own (``zeroc.stage_trace``), never on tensors of the rank's device.
+own (``zeroc.pipeline.stage_trace``), never on tensors of the rank's device.
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
 from zeroc.passes.base import PassContext, PassResult
-from zeroc.runtime.cost import concrete
-from zeroc.runtime.hardware import device_memory_bytes
-from zeroc.runtime.plan_format import human_bytes
+from zeroc.runtime.cost.cost import concrete
+from zeroc.runtime.cost.hardware import device_memory_bytes
+from zeroc.runtime.plan.plan_format import human_bytes
 from zeroc.runtime.torch_compat import ENTER_AUTOCAST, EXIT_AUTOCAST, FakeTensor
 
 _LINEAR_TARGETS = {F.linear}  # torch._C._nn.linear itself

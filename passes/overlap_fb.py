@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from zeroc.runtime.cost import node_cost
+from zeroc.runtime.cost.cost import node_cost
 from zeroc.runtime.torch_compat import tree_flatten
 
 

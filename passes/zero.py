@@ -42,7 +42,7 @@ from zeroc.runtime.collectives import (
     functional,
     reduce_scatter_runs_as_all_reduce,
 )
-from zeroc.runtime.records import CollectiveInfo
+from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.torch_compat import detect_fake_mode
 from zeroc.runtime.zero_ops import group_size
 

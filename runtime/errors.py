@@ -10,3 +10,7 @@ class OptionError(ValueError):
 class CollectiveError(RuntimeError):
     """A collective of a compiled graph failed or timed out: another rank died, hung or
     diverged (an error of this rank's own ops is raised as it is)."""
+
+
+class ModelChangedError(RuntimeError):
+    """A change to a parallelized model that zeroc cannot carry into its shards."""

@@ -1,6 +1,6 @@
 """Run a graph once per input signature on fake tensors; after that, replay what it made.
 
-A planned step (``zeroc.fake_world``) runs every stage graph once per micro-batch on fake
+A planned step (``zeroc.world.fake_world``) runs every stage graph once per micro-batch on fake
 tensors: with 16 micro-batches the same forward runs 16 times on inputs of the same shapes
 and produces outputs of the same shapes each time, which costs seconds of fake dispatch per
 pipeline position and tells nothing new. ``call(graph, args)`` runs ``graph`` for real on

@@ -89,7 +89,7 @@ def group_device() -> torch.device:
     ``"cpu:gloo,cuda:nccl"``. CUDA (the current device, set from ``LOCAL_RANK`` by the
     launcher's script) when the group routes CUDA tensors to NCCL and this process sees a
     GPU; the CPU otherwise (gloo, or no process group). In a planned world
-    (``zeroc.fake_world``), the device it plans for."""
+    (``zeroc.world.fake_world``), the device it plans for."""
     if PLANNING.device is not None:
         return PLANNING.device
     if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():

@@ -10,7 +10,7 @@ that sees every c10d operator (``dist.all_reduce``, ``dist.batch_isend_irecv``, 
 the group's device, naming the operator, the tensor (shape, dtype, device), the group and the
 call site: the first Python frame outside torch (zeroc's or the user's code).
 
-The planned world (``zeroc.fake_world``) runs every rank's real program under it on fake
+The planned world (``zeroc.world.fake_world``) runs every rank's real program under it on fake
 CUDA tensors, so a CPU tensor reaching a collective anywhere on that path fails there. It is
 a mode Dynamo compiles through (``ignore_compile_internals``): ops Dynamo traces on its own
 fake tensors are checked too, which is the same fault one step earlier.

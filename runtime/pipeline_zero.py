@@ -12,7 +12,7 @@ return its full gradient. ``StepZero`` then, for this rank's stages,
   dtype), one ``all_gather_into_tensor`` per bucket; the full parameters live until the end
   of the step.
 - ``reduce(grads, inputs)``: after the last backward, the full gradients summed over the
-  micro-batches (and over the micro-steps without sync before it: ``zeroc.pipelined_step``)
+  micro-batches (and over the micro-steps without sync before it: ``zeroc.pipeline.pipelined_step``)
   are cast to ``reduce_dtype``, packed rank-major in buckets and reduced once:
   ``reduce_scatter_tensor`` at ZeRO-2/3, ``all_reduce`` for whole parameters; each
   parameter's gradient becomes this rank's shard averaged over the data-parallel ranks, in
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from zeroc.runtime.collectives import collective_bytes
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.mesh import resolve_group
-from zeroc.runtime.records import CollectiveInfo
+from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 from zeroc.runtime.zero_ops import group_size

@@ -5,7 +5,7 @@ size, and a finalizer that subtracts it when the storage is freed; ``peak`` is t
 alive at once among the storages it has seen made. zeroc's executors enter it around
 the graphs they run (``tracking_scope``), not around Dynamo's frame (a dispatch mode there
 would make Dynamo skip the compiled code), so a compiled step is measured as it runs. On
-fake tensors (``zeroc.fake_world``) a storage's size is what the real one would be.
+fake tensors (``zeroc.world.fake_world``) a storage's size is what the real one would be.
 
 The optimizer step is measured too when the caller runs it inside the tracker. A storage made
 before the step (parameters) is not counted: the caller adds what it held at rest, and tells
@@ -18,7 +18,7 @@ Storages made without an op, and storages an op resized, are reported here so th
 tracker sees them: ``note_made`` (a replayed graph's outputs, a planned rank's parameter
 shards), ``note_transient`` (a replayed graph's working set), ``note_resized`` (a released
 or restored parameter). Besides the step's tracker, whole-run ledgers registered with
-``ledgers_active`` (``zeroc.device_allocations``) hear of them. ``allocation_label`` names
+``ledgers_active`` (``zeroc.world.device_allocations``) hear of them. ``allocation_label`` names
 what the running code makes (a gather, a gradient reduction, a graph run), for those ledgers.
 """
 

@@ -21,7 +21,8 @@ are a view of the front of that buffer.
   gradient shard averaged over the group (stages 2 and 3: reduce-scatter). Stage 0 is plain
   data parallelism: the "shard" is the whole flat parameter, unshard is a reshape and
   reduce_grad an averaging all-reduce. ZeRO-1 keeps whole parameters and gradients and uses
-  stage-0 ops; its optimizer-state sharding lives outside the graph (``zeroc.sharded_params``).
+  stage-0 ops; its optimizer-state sharding lives outside the graph
+  (``zeroc.sharding.sharded_params``).
 
 With ``group_name == ""`` or a group of one rank both ops only reshape (they copy, because a
 custom op's output may not alias its input). Both have fake implementations and an autograd

@@ -1,5 +1,5 @@
 """The multi-process tests launch their ranks with zeroc's local launcher."""
 
-from zeroc.launch import RankError, RankTimeout, run_ranks
+from zeroc.cli.launch import RankError, RankTimeout, run_ranks
 
 __all__ = ["RankError", "RankTimeout", "run_ranks"]

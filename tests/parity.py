@@ -80,7 +80,7 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     A pipeline rank releases the parameters of other ranks' stages: those are left out (see
     ``merge_held``), so a missing gradient on a held parameter still shows as ``None``.
     """
-    from zeroc.sharded_params import sharded_of
+    from zeroc.sharding.sharded_params import sharded_of
 
     out = {}
     for name, param in model.named_parameters():

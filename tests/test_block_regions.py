@@ -1,4 +1,5 @@
-"""Repeated blocks traced once (``zeroc.block_regions``), as the shared planning trace does.
+"""Repeated blocks traced once (``zeroc.frontend.block_regions``), as the shared planning trace
+does.
 
 With its blocks as nested compile regions, Dynamo traces a Hugging Face Llama and the zoo GPT
 into ``invoke_subgraph`` calls; inlined, the graph must be the graph a plain trace gives: the
@@ -18,12 +19,12 @@ from models.gpt import GPT, GPTConfig
 from torch import nn
 
 import zeroc
-import zeroc.plan_capture as plan_capture
-from zeroc.block_regions import blocks_traced_once, inline_block_regions, repeated_blocks
-from zeroc.capture import source_name
-from zeroc.fake_world import _fake_inputs, fake_world, meta_copy
+import zeroc.world.plan_capture as plan_capture
+from zeroc.frontend.block_regions import blocks_traced_once, inline_block_regions, repeated_blocks
+from zeroc.frontend.capture import source_name
 from zeroc.passes.stage_units import module_stack
 from zeroc.runtime.planning_state import PLANNING
+from zeroc.world.fake_world import _fake_inputs, fake_world, meta_copy
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
                                 reason="this torch has no nested compile regions")

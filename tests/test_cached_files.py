@@ -21,7 +21,6 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 from zeroc.runtime import cached_files
-from zeroc.runtime import cpu_profile as cpu_profile_module
 from zeroc.runtime.cached_files import (
     RecordError,
     checksum,
@@ -32,10 +31,11 @@ from zeroc.runtime.cached_files import (
     text,
     write_record,
 )
+from zeroc.runtime.cost import cpu_profile as cpu_profile_module
+from zeroc.runtime.cost.hardware import get_profile
+from zeroc.runtime.cost.op_timing import OpTimes, encode_call
 from zeroc.runtime.errors import OptionError
-from zeroc.runtime.hardware import get_profile
-from zeroc.runtime.op_timing import OpTimes, encode_call
-from zeroc.tune_cache import (
+from zeroc.sharding.tune_cache import (
     TUNE_FORMAT,
     layout_key,
     layout_path,
@@ -44,7 +44,7 @@ from zeroc.tune_cache import (
     versions,
     write_cached,
 )
-from zeroc.tune_space import Candidate, model_key
+from zeroc.tuning.tune_space import Candidate, model_key
 
 KEY = {"machine": "test", "torch": "1"}
 
@@ -150,7 +150,7 @@ def test_an_op_time_table_with_a_bad_time_is_measured_again(tmp_path, caplog, en
         record["sha256"] = checksum("op times", 1, record["key"], record["data"])
     with open(first.path, "w") as handle:
         handle.write(json.dumps(record))  # NaN written as NaN: refused as not JSON numbers
-    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.op_timing"):
+    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.cost.op_timing"):
         again = OpTimes(str(tmp_path))
     assert again.times == {} and again.measured == 0
     [line] = [r.getMessage() for r in caplog.records]
@@ -166,7 +166,7 @@ def test_an_op_time_table_others_can_write_is_measured_again(tmp_path, caplog) -
     first.save()
     assert OpTimes(str(tmp_path)).times  # read back while private
     os.chmod(first.path, 0o664)
-    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.op_timing"):
+    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.cost.op_timing"):
         assert OpTimes(str(tmp_path)).times == {}
     assert "writable by group or others" in caplog.text
 

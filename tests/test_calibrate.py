@@ -23,9 +23,9 @@ import torch
 from dist_harness import run_ranks
 
 import zeroc
-from zeroc.runtime import calibration
 from zeroc.runtime.cached_files import checksum
-from zeroc.runtime.hardware import (
+from zeroc.runtime.cost import calibration
+from zeroc.runtime.cost.hardware import (
     SHAPE_CLASSES,
     HardwareProfile,
     estimate_collective_s,
@@ -136,7 +136,7 @@ def test_corrupt_or_stale_file_is_measured_again(
     spoiled.parent.mkdir()
     spoiled.write_text(text)
     fake = _FakeMeasures(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="zeroc.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="zeroc.tuning.calibrate"):
         profile = zeroc.calibrate(cache_dir=str(tmp_path), seconds=TINY)
     assert fake.calls == 1 and profile.peak_flops == {"float32": 5e9}
     assert profile.memory_bytes_per_s == 3e9 and profile.launch_floor_s == 4e-6

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from zeroc.config import Config
+from zeroc.frontend.config import Config
 
 
 def test_defaults_and_frozen() -> None:

@@ -1,6 +1,6 @@
 """Where the demo and the tuner run: ``--help``, ``--device``, torchrun's world, Ctrl-C, failures.
 
-The fast cases check the flags, the device choice (``zeroc.local_ranks.resolve_device``, with
+The fast cases check the flags, the device choice (``zeroc.cli.local_ranks.resolve_device``, with
 the GPU count faked for the CUDA cases) and the torchrun environment in this process. The slow
 ones start real ranks: ``torchrun --nproc-per-node 2 -m zeroc demo`` (via
 ``python -m torch.distributed.run``), Ctrl-C sent to a 2-rank demo once its first line is
@@ -22,9 +22,9 @@ import pytest
 import torch
 from test_tune import FACTORY  # the tiny factory the tune CLI tests share
 
-from zeroc import local_ranks
-from zeroc.demo import build_parser, parse_args, run_demo
-from zeroc.local_ranks import in_torchrun, resolve_device, run_local_ranks
+from zeroc.cli import local_ranks
+from zeroc.cli.demo import build_parser, parse_args, run_demo
+from zeroc.cli.local_ranks import in_torchrun, resolve_device, run_local_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--steps", "1", "--layers", "1", "--width", "32", "--seq", "16", "--batch", "2"]

@@ -1,4 +1,5 @@
-"""Device memory as a GPU would count it, in the fake CUDA world (``zeroc.device_allocations``).
+"""Device memory as a GPU would count it, in the fake CUDA world
+(``zeroc.world.device_allocations``).
 
 A rank of a pp=2 x dp=2 ZeRO-3 job (world 4) runs as a user's script would: ``parallelize``,
 ``torch.compile``, three training steps with AdamW, one call under ``torch.no_grad()``, with
@@ -31,8 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import zeroc
-from zeroc.device_allocations import Allocation, RankRun, count_rank, counting
 from zeroc.runtime.step_memory import note_made, note_resized
+from zeroc.world.device_allocations import Allocation, RankRun, count_rank, counting
 
 WORLD, PP = 4, 2
 RANKS = (0, 2)  # the first rank of each pipeline position

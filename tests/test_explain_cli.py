@@ -76,7 +76,7 @@ def test_the_tune_planning_child_puts_the_current_directory_last(tmp_path,
                                                                  monkeypatch) -> None:
     """The planning child of ``zeroc.tune`` runs isolated with this process's path, the
     current directory last: a ``typing_extensions.py`` there (torch imports it) is not run."""
-    from zeroc.tune_estimate import child_command
+    from zeroc.tuning.tune_estimate import child_command
 
     _plant(tmp_path, "typing_extensions", tmp_path / "planted_ran")
     monkeypatch.chdir(tmp_path)

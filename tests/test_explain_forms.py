@@ -2,7 +2,7 @@
 per-block compile (one plan of every region), and ``torch.compile(fn)``.
 
 The session is found from torch's own attributes, never the Python stack; these tests cover
-each one ``zeroc.session`` documents, on whichever torch is installed (CI: 2.13; the same
+each one ``zeroc.frontend.session`` documents, on whichever torch is installed (CI: 2.13; the same
 tests pass on 2.11): ``InstructionTranslator.current_tx().output.compiler_fn`` on the backend
 side, ``OptimizedModule.dynamo_ctx.callback``, a compiled function's closure and
 ``module._compiled_call_impl`` on the compiled side, joined by ``_torchdynamo_orig_backend``.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zeroc
-from zeroc.session import compiled_regions, find_compile_wrapper, wrapper_of
+from zeroc.frontend.session import compiled_regions, find_compile_wrapper, wrapper_of
 
 X = torch.ones(4, 8)
 BLOCK_PARAMS = ["layers.0.fc.weight", "layers.0.fc.bias", "layers.1.fc.weight",

@@ -4,7 +4,7 @@ ZeRO-3 at dp=2, pp=2 DualPipeV and pp=2 x dp=2 ZeRO-3 each run one planned step 
 ``device="cuda"``; a dispatch mode records the device of every tensor given to a collective
 (``c10d`` and ``_c10d_functional`` ops) and a p2p call, and every compiled graph's inputs:
 all must be CUDA tensors. On a CPU-only build of torch the fake CUDA device comes from
-``zeroc.fake_cuda`` (a fake CUDA device guard, and CUDA hooks that let the autograd engine
+``zeroc.world.fake_cuda`` (a fake CUDA device guard, and CUDA hooks that let the autograd engine
 take CUDA tensors while planning); afterwards the process's torch has no accelerator, as
 before.
 """

@@ -1,4 +1,4 @@
-"""A planned rank's parameters made without dispatching ops (``zeroc.fake_params``).
+"""A planned rank's parameters made without dispatching ops (``zeroc.sharding.fake_params``).
 
 In the fake world ``zeroc.parallelize`` makes each flat buffer and visible parameter directly
 from meta tensors; they must be the tensors the dispatched ops make, in every property the
@@ -17,11 +17,11 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 import zeroc
-from zeroc import fake_world, plan_workers
 from zeroc.runtime import fake_replay
+from zeroc.world import fake_world, plan_workers
 
 # The module, not the function ``zeroc.parallelize`` that shadows it on the package.
-PARALLELIZE = importlib.import_module("zeroc.parallelize")
+PARALLELIZE = importlib.import_module("zeroc.sharding.parallelize")
 
 
 def _llama(layers: int = 2):

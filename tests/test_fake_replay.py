@@ -132,7 +132,7 @@ def test_the_step_that_records_measures_as_a_replayed_step(device: str,
     step, which replays them all, gives the same figures (HF Llama, ZeRO-3, pp 2 x dp 2)."""
     import transformers
 
-    from zeroc import fake_world, plan_workers
+    from zeroc.world import fake_world, plan_workers
 
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

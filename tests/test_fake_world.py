@@ -20,7 +20,7 @@ from torch import nn
 from torch.testing import FileCheck
 
 import zeroc
-from zeroc.runtime.hardware import get_profile
+from zeroc.runtime.cost.hardware import get_profile
 from zeroc.runtime.zero_ops import padded_numel_for
 
 
@@ -43,7 +43,7 @@ PIPELINE = {"schedule": "dualpipev", "microbatches": 4}
 
 
 def real_job(rank: int, world: int, pp: int, options: dict) -> dict:
-    from zeroc.fake_world import measured_step
+    from zeroc.world.fake_world import measured_step
 
     torch._dynamo.reset()
     model = zeroc.parallelize(make_gpt(), zero=3, pp=pp)
@@ -171,8 +171,8 @@ def test_the_estimate_gives_each_graph_and_action_kind() -> None:
         .check("est. time").run(str(plan))
     # The transfer is the largest message on the links: slow links hold the pipeline up.
     from zeroc.passes.schedule import build_schedule
-    from zeroc.runtime.simulate import ActionCosts, simulate
-    from zeroc.step_estimate import _p2p_s
+    from zeroc.runtime.cost.simulate import ActionCosts, simulate
+    from zeroc.world.step_estimate import _p2p_s
 
     slow = get_profile({"base": "h100-sxm", "intra_node_bytes_per_s": 1e6,
                         "inter_node_bytes_per_s": 1e6})

@@ -223,7 +223,7 @@ def test_peak_flops_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     flops = _package().flops
     given = flops.resolve_peak("h200", "NVIDIA H200", torch.bfloat16, peak_tflops=500.0)
     assert given["peak_flops"] == 500e12 and given["source"] == "--peak-tflops"
-    from zeroc.runtime.hardware import get_profile
+    from zeroc.runtime.cost.hardware import get_profile
 
     found = flops.resolve_peak("h200", None, torch.bfloat16)
     assert found["name"] == "h200" and found["reason"] is None
@@ -232,10 +232,10 @@ def test_peak_flops_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
                              (None, None)):
         found = flops.resolve_peak(hardware, device, torch.bfloat16)
         assert found["peak_flops"] is None and found["reason"], (hardware, device)
-    monkeypatch.setitem(sys.modules, "zeroc.runtime.hardware", None)  # import raises
+    monkeypatch.setitem(sys.modules, "zeroc.runtime.cost.hardware", None)  # import raises
     found = flops.resolve_peak("h200", "NVIDIA H200", torch.bfloat16)
     assert found["peak_flops"] is None
-    assert "zeroc.runtime.hardware is not available" in found["reason"]
+    assert "zeroc.runtime.cost.hardware is not available" in found["reason"]
 
 
 def test_loss_rule_and_train_figures() -> None:

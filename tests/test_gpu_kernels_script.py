@@ -68,7 +68,7 @@ def test_bandwidth_arithmetic() -> None:
 def test_hbm_from_profile_flag_or_unknown() -> None:
     """A known device name gives its profile's bandwidth; else --hbm-gbps; else unknown."""
     gk = _load_script()
-    from zeroc.runtime.hardware import get_profile
+    from zeroc.runtime.cost.hardware import get_profile
 
     found = gk.resolve_hbm("NVIDIA H200", 1234.0)
     assert found["bytes_per_s"] == get_profile("h200").memory_bytes_per_s == 4.8e12

@@ -1,5 +1,5 @@
 """A parameter eager would give a gradient and the compiled program would not is a compile
-error (``zeroc.grad_coverage``), at pp=1, under ZeRO-3 and in pipelines.
+error (``zeroc.frontend.grad_coverage``), at pp=1, under ZeRO-3 and in pipelines.
 
 The model adds a per-expert bias in place to a routed projection (``out.add_(bias[ids])``,
 the way Hugging Face's grouped MoE experts add theirs) and reads one parameter only under
@@ -19,7 +19,7 @@ from dist_harness import run_ranks
 from torch import nn
 
 import zeroc
-from zeroc.grad_coverage import MissingGradientError
+from zeroc.frontend.grad_coverage import MissingGradientError
 from zeroc.passes.base import PassResult
 
 DIM, EXPERTS, BATCH = 8, 4, 8
@@ -72,7 +72,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _detach_reads_of(param: str):
     """A Dynamo-graph pass that cuts the gradient path of the parameter named ``param``."""
-    from zeroc.capture import source_name
+    from zeroc.frontend.capture import source_name
 
     def detach_reads(gm: torch.fx.GraphModule, ctx) -> PassResult:
         changed = False
@@ -89,9 +89,10 @@ def _detach_reads_of(param: str):
 
 
 def _plant_detach(fragment: str) -> None:
-    import zeroc.capture
+    import zeroc.frontend.capture
 
-    zeroc.capture.DYNAMO_PASSES = (*zeroc.capture.DYNAMO_PASSES, _detach_reads_of(fragment))
+    capture = zeroc.frontend.capture
+    capture.DYNAMO_PASSES = (*capture.DYNAMO_PASSES, _detach_reads_of(fragment))
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -120,10 +121,10 @@ def test_unplanted_gradients_equal_eager_including_the_unused_one() -> None:
 
 
 def test_a_gradient_cut_by_a_pass_raises_naming_parameter_and_graph(monkeypatch) -> None:
-    import zeroc.capture
+    import zeroc.frontend.capture
 
-    monkeypatch.setattr(zeroc.capture, "DYNAMO_PASSES",
-                        (*zeroc.capture.DYNAMO_PASSES, _detach_reads_of("layers.1.bias")))
+    monkeypatch.setattr(zeroc.frontend.capture, "DYNAMO_PASSES",
+                        (*zeroc.frontend.capture.DYNAMO_PASSES, _detach_reads_of("layers.1.bias")))
     with pytest.raises(MissingGradientError, match=r"layers\.1\.bias \(graph g0\)"):
         torch.compile(_model(), backend="zeroc")(*_batch())
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from zeroc.runtime import cpu_profile as cpu_profile_module
 from zeroc.runtime.cached_files import checksum
-from zeroc.runtime.cpu_profile import calibrate_cpu, cpu_profile
-from zeroc.runtime.hardware import (
+from zeroc.runtime.cost import cpu_profile as cpu_profile_module
+from zeroc.runtime.cost.cpu_profile import calibrate_cpu, cpu_profile
+from zeroc.runtime.cost.hardware import (
     KNOWN_PROFILES,
     HardwareProfile,
     estimate_collective_s,
@@ -302,7 +302,7 @@ def test_cpu_profile_redoes_a_corrupt_or_stale_file(
     text = {"bad json": "{not json", "not a dict": "[1, 2]"}.get(spoil, json.dumps(entry))
     with open(path, "w") as handle:
         handle.write(text)
-    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.hardware"):
+    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.cost.hardware"):
         profile = cpu_profile(cache_dir=cache)
     assert counting.calls == 2 and profile.name == "cpu-fake"
     assert any(path in record.getMessage() for record in caplog.records)
@@ -314,7 +314,7 @@ def test_cpu_profile_unwritable_cache_is_not_fatal(
         tmp_path: Any, counting: _CountingCalibration, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.hardware"):
+    with caplog.at_level(logging.WARNING, logger="zeroc.runtime.cost.hardware"):
         profile = cpu_profile(cache_dir=str(blocker))
     assert profile.name == "cpu-fake" and counting.calls == 1
     assert any("could not store" in record.getMessage() for record in caplog.records)

@@ -1,11 +1,11 @@
 """No host synchronization in a steady training step, counted in the fake CUDA world.
 
-``zeroc.host_syncs.count_host_syncs`` records every point where the host would wait for a
+``zeroc.world.host_syncs.count_host_syncs`` records every point where the host would wait for a
 CUDA device (a value read, a blocking copy between host and device, a data-dependent output
 shape, an explicit synchronize) with its call site. The planned world's fake CUDA tensors run
 the same code as a real CUDA run: steps 3-5 of a ZeRO-3 (also 0-2) model at pp=1 on 2 ranks
 and of a pp=2 x dp=2 DualPipeV pipeline with 4 micro-batches (one representative rank per
-pipeline position, as ``zeroc.fake_world.plan_position`` plans them) must count none, the
+pipeline position, as ``zeroc.world.fake_world.plan_position`` plans them) must count none, the
 user's loop (forward, ``backward()``, AdamW) included. The pipeline's stage graphs run every
 time (no replay) and its loss is a token mean whose denominator is a device tensor, as in a
 real run. The pieces that only a real GPU exercises (events read one step late, the late
@@ -25,11 +25,11 @@ from torch._subclasses.fake_tensor import (
 )
 
 import zeroc
-from zeroc.fake_world import fake_world, meta_copy
-from zeroc.host_syncs import count_host_syncs
 from zeroc.runtime import fake_replay, pipeline_sync, step_clock
 from zeroc.runtime.pipeline_executor import PipelineExecutor
 from zeroc.runtime.pipeline_sync import LossScale, StepSync, read_rows
+from zeroc.world.fake_world import fake_world, meta_copy
+from zeroc.world.host_syncs import count_host_syncs
 
 HERE = "test_host_syncs.py"
 

@@ -26,7 +26,7 @@ from torch.testing import FileCheck
 
 import zeroc
 from zeroc.codegen.inductor_graphs import code_collective_order, inductor_kernels
-from zeroc.session import SESSION_ATTR, wrapper_of
+from zeroc.frontend.session import SESSION_ATTR, wrapper_of
 
 INDUCTOR = {"kernels": "inductor"}
 STEPS = 2
@@ -152,7 +152,7 @@ def _placement(record) -> dict:
 
 
 def two_rank_job(rank: int, world: int) -> dict:
-    from zeroc.state_dict import full_state_dict
+    from zeroc.sharding.state_dict import full_state_dict
 
     results = {}
     for zero in (0, 1, 2, 3):

@@ -22,10 +22,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import zeroc
 from zeroc.codegen import autotune, compile_cache
 from zeroc.codegen.fused_kernel import FusedKernel
-from zeroc.config import Config
+from zeroc.frontend.config import Config
 from zeroc.passes.base import PassContext
 from zeroc.passes.fusion import fusion
-from zeroc.runtime.plan import Plan, launched
+from zeroc.runtime.plan.plan import Plan, launched
 
 FAKE_GPU = "Fake GPU 9000"
 # The fake timer's milliseconds for the pointwise candidates, in their order: the third wins.

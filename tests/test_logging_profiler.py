@@ -21,10 +21,10 @@ from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
 
 import zeroc
-from zeroc import log_setup
+from zeroc.frontend import log_setup
 from zeroc.runtime import executor, pipeline_zero
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
-from zeroc.runtime.records import PassInfo
+from zeroc.runtime.plan.records import PassInfo
 
 
 class _Lines(logging.Handler):
@@ -113,7 +113,7 @@ def test_compile_logs_one_info_line_per_graph_and_pass_stats(monkeypatch) -> Non
         undo()
     assert all(name == "zeroc" or name.startswith("zeroc.") for name, _, _ in handler.lines)
     info = [m for name, level, m in handler.lines
-            if level == logging.INFO and name == "zeroc.capture"]
+            if level == logging.INFO and name == "zeroc.frontend.capture"]
     compiled = [m for m in info if " compiled in " in m]
     assert [m.split(" compiled in ")[0] for m in compiled] == [
         "zeroc: g0.forward", "zeroc: g0.backward"]
@@ -130,7 +130,7 @@ def test_compile_logs_one_info_line_per_graph_and_pass_stats(monkeypatch) -> Non
 
 
 def test_torch_logs_env_turns_zeroc_info_on() -> None:
-    code = ("import logging, zeroc; log = logging.getLogger('zeroc.capture'); "
+    code = ("import logging, zeroc; log = logging.getLogger('zeroc.frontend.capture'); "
             "log.info('zeroc-info-line'); log.debug('zeroc-debug-line')")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
     shown = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_LOGS": "zeroc"},

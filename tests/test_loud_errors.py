@@ -29,9 +29,9 @@ from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
 
 import zeroc
-from zeroc import backend as backend_module
-from zeroc.config import PIPELINE_OPTIONS, Config
-from zeroc.parallelize import layout_of
+from zeroc.frontend import backend as backend_module
+from zeroc.frontend.config import PIPELINE_OPTIONS, Config
+from zeroc.sharding.parallelize import layout_of
 
 PIPELINE_WARNING = "apply only to pipelines"
 

@@ -1,4 +1,4 @@
-"""``zeroc.meta_init``: initialize a meta-device model one module at a time.
+"""``zeroc.sharding.meta_init``: initialize a meta-device model one module at a time.
 
 Hugging Face Llama and GPT-2 built under ``torch.device("meta")`` and materialized module by
 module equal the same models built on the CPU under the same seed (parameters and buffers); a
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroc.meta_init import check_meta_initializable, find_initializer, materialize_direct
+from zeroc.sharding.meta_init import check_meta_initializable, find_initializer, materialize_direct
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -282,7 +282,7 @@ def test_uninitializable_meta_tensors_are_refused() -> None:
 _RSS_SCRIPT = textwrap.dedent(
     """
     import torch, transformers
-    from zeroc.meta_init import check_meta_initializable, materialize_direct
+    from zeroc.sharding.meta_init import check_meta_initializable, materialize_direct
     torch.set_num_threads(1)
     def peak():
         for line in open("/proc/self/status"):

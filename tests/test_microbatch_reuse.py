@@ -16,8 +16,8 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 import zeroc.passes.microbatch_shapes as microbatch_shapes
-import zeroc.pipeline_front as pipeline_front
-import zeroc.plan_workers as plan_workers
+import zeroc.pipeline.pipeline_front as pipeline_front
+import zeroc.world.plan_workers as plan_workers
 
 
 def _llama() -> torch.nn.Module:

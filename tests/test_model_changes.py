@@ -25,7 +25,7 @@ from parity import ADAM, assert_tensors_match
 from torch import nn
 
 import zeroc
-from zeroc.model_changes import ModelChangedError
+from zeroc.frontend.model_changes import ModelChangedError
 
 GLOBAL_BATCH, STEPS_PER_PHASE = 8, 2
 # Frozen before parallelize (and in eager from the start); unfrozen in phase 2.

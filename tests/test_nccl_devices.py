@@ -23,15 +23,15 @@ from models.gpt import GPT, GPTConfig
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 import zeroc
-from zeroc.calibrate import _agree
-from zeroc.fake_world import _fake_inputs, fake_world, loss_of, meta_copy
 from zeroc.runtime import nccl_devices
-from zeroc.runtime.calibration import _runs
 from zeroc.runtime.consistency import _compare, text_digest
+from zeroc.runtime.cost.calibration import _runs
 from zeroc.runtime.mesh import group_device
 from zeroc.runtime.nccl_devices import CollectiveDeviceError
 from zeroc.runtime.planning_state import PLANNING
-from zeroc.tune import _agree_failed, _same_inputs
+from zeroc.tuning.calibrate import _agree
+from zeroc.tuning.tune import _agree_failed, _same_inputs
+from zeroc.world.fake_world import _fake_inputs, fake_world, loss_of, meta_copy
 
 
 def _gpt() -> GPT:

@@ -1,4 +1,4 @@
-"""Ops timed on the machine at hand for the step estimate (``zeroc.runtime.op_timing``).
+"""Ops timed on the machine at hand for the step estimate (``zeroc.runtime.cost.op_timing``).
 
 A node's call is recorded from fake tensors, rebuilt on real ones and timed once per distinct
 call; a table persists per machine; calls that cannot be rebuilt or run have no time and
@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zeroc.runtime.hardware import estimate_compute_s, get_profile
-from zeroc.runtime.op_timing import OpTimes, encode_call, op_times_for
-from zeroc.step_estimate import _graph_timeline_s
+from zeroc.runtime.cost.hardware import estimate_compute_s, get_profile
+from zeroc.runtime.cost.op_timing import OpTimes, encode_call, op_times_for
+from zeroc.world.step_estimate import _graph_timeline_s
 
 aten = torch.ops.aten
 

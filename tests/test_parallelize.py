@@ -14,8 +14,8 @@ from dist_harness import run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from zeroc.parallelize import parallelize
-from zeroc.state_dict import full_state_dict, load_full_state_dict
+from zeroc.sharding.parallelize import parallelize
+from zeroc.sharding.state_dict import full_state_dict, load_full_state_dict
 
 VOCAB, SEQ, WIDTH, HIDDEN, BATCH, STEPS = 13, 5, 6, 5, 4, 3
 

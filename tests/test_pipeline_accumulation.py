@@ -78,7 +78,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _executor(compiled):
-    from zeroc.session import SESSION_ATTR, wrapper_of
+    from zeroc.frontend.session import SESSION_ATTR, wrapper_of
 
     return getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor
 

@@ -51,7 +51,7 @@ CASES = {
 
 
 def compile_errors(rank: int, world: int) -> dict[str, str]:
-    from zeroc.parallelize import parallelize
+    from zeroc.sharding.parallelize import parallelize
 
     messages = {}
     for name, (build, options, batch) in CASES.items():

@@ -51,8 +51,8 @@ def eager_reference(kind: str, layers: int):
 def train_cases(rank: int, world: int, pp: int, zero: int, cases, extras: bool):
     """Rank body: train each (kind, layers, schedule) case; return losses and rank-0 dicts."""
     import zeroc
-    from zeroc.parallelize import parallelize
-    from zeroc.state_dict import full_state_dict
+    from zeroc.sharding.parallelize import parallelize
+    from zeroc.sharding.state_dict import full_state_dict
 
     dp = world // pp
     results = []

@@ -23,12 +23,17 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 from zeroc import explain as explain_plan  # the function, before its submodule is imported
-from zeroc.explain import _memory_rows, _unique_kernels, _with_full_shapes, _with_mesh_dims
-from zeroc.explain_cli import _parser
+from zeroc.cli.explain_cli import _parser
+from zeroc.frontend.session_plan import (
+    _memory_rows,
+    _unique_kernels,
+    _with_full_shapes,
+    _with_mesh_dims,
+)
 from zeroc.runtime.mesh import Mesh
-from zeroc.runtime.plan import Plan, PlanMeta
-from zeroc.runtime.plan_format import MAX_ROWS, WIDTH, stat_text
-from zeroc.runtime.records import (
+from zeroc.runtime.plan.plan import Plan, PlanMeta
+from zeroc.runtime.plan.plan_format import MAX_ROWS, WIDTH, stat_text
+from zeroc.runtime.plan.records import (
     CollectiveInfo,
     GraphInfo,
     KernelInfo,
@@ -69,7 +74,7 @@ def check_golden(name: str, text: str) -> None:
 @pytest.fixture(scope="module")
 def demo() -> tuple[str, Plan]:
     """The demo's printed plan and the Plan it printed."""
-    from zeroc.demo import run_demo
+    from zeroc.cli.demo import run_demo
 
     plans = []
     zeroc.explain = lambda compiled: plans.append(explain_plan(compiled)) or plans[-1]

@@ -7,17 +7,17 @@ import pytest
 from torch.testing import FileCheck
 
 from zeroc.passes.schedule import build_schedule
-from zeroc.runtime.plan import Plan, PlanMeta
-from zeroc.runtime.plan_text import (
+from zeroc.runtime.cost.simulate import ActionCosts, simulate
+from zeroc.runtime.plan.plan import Plan, PlanMeta
+from zeroc.runtime.plan.plan_text import (
     GROUPED_NOTE,
     format_ranks,
     memory_groups,
     render_pipeline,
     render_plan,
 )
-from zeroc.runtime.records import MemoryEstimate, PipelineInfo
-from zeroc.runtime.schedule_grid import render_grid
-from zeroc.runtime.simulate import ActionCosts, simulate
+from zeroc.runtime.plan.records import MemoryEstimate, PipelineInfo
+from zeroc.runtime.plan.schedule_grid import render_grid
 
 WIDE = 100_000  # one band: the grid as drawn before wrapping
 

@@ -1,8 +1,9 @@
 """A planned world's positions share one Dynamo trace, one front and identical stages.
 
-``zeroc.explain(model, inputs, world=...)`` traces the model once (``zeroc.plan_capture``),
-splits it once (``zeroc.pipeline_front``) and compiles each distinct stage once
-(``zeroc.stage_reuse``). Each position's plan must be what planning it alone gives: the same
+``zeroc.explain(model, inputs, world=...)`` traces the model once (``zeroc.world.plan_capture``),
+splits it once (``zeroc.pipeline.pipeline_front``) and compiles each distinct stage once
+(``zeroc.pipeline.stage_reuse``). Each position's plan must be what planning it alone gives: the
+same
 graphs (names, kinds and code), passes, kernels, collectives, saved bytes and memory row.
 """
 
@@ -15,9 +16,9 @@ import torch
 from models.gpt import GPT, GPTConfig
 
 import zeroc
-import zeroc.plan_workers as plan_workers
-import zeroc.world_plan as world_plan
-from zeroc import pipeline_capture
+import zeroc.world.plan_workers as plan_workers
+import zeroc.world.world_plan as world_plan
+from zeroc.pipeline import pipeline_capture
 
 
 def _model() -> GPT:

@@ -16,9 +16,9 @@ import torch
 from models.gpt import GPT, GPTConfig
 
 import zeroc
-import zeroc.plan_workers as plan_workers
-import zeroc.world_plan as world_plan
-from zeroc.plan_workers import PositionWork, split_positions
+import zeroc.world.plan_workers as plan_workers
+import zeroc.world.world_plan as world_plan
+from zeroc.world.plan_workers import PositionWork, split_positions
 
 
 def _model() -> GPT:

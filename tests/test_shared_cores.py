@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from zeroc.runtime.cost.hardware import HardwareProfile, estimate_collective_s, get_profile
+from zeroc.runtime.cost.op_timing import OpTimes
+from zeroc.runtime.cost.shared_cores import no_spare_cores, slowdown_for
 from zeroc.runtime.errors import OptionError
-from zeroc.runtime.hardware import HardwareProfile, estimate_collective_s, get_profile
-from zeroc.runtime.op_timing import OpTimes
-from zeroc.runtime.shared_cores import no_spare_cores, slowdown_for
-from zeroc.step_estimate import _graph_timeline_s
+from zeroc.world.step_estimate import _graph_timeline_s
 
 PROFILE = get_profile({"base": "h100-sxm", "intra_node_bytes_per_s": 1e9,
                        "intra_node_latency_s": 1e-9})

@@ -13,8 +13,8 @@ from torch.testing import FileCheck
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.schedule import SCHEDULE_NAMES, build_schedule
 from zeroc.runtime.actions import Action, ActionKind, Schedule, data_inputs, forward, overlapped
-from zeroc.runtime.schedule_grid import cell_label, render_grid
-from zeroc.runtime.simulate import ActionCosts, peak_activations, simulate
+from zeroc.runtime.cost.simulate import ActionCosts, peak_activations, simulate
+from zeroc.runtime.plan.schedule_grid import cell_label, render_grid
 
 README_COSTS = ActionCosts(forward=1, backward=2, weight=1, overlapped=3)
 
@@ -180,7 +180,7 @@ def test_per_stage_costs_drive_the_simulation() -> None:
 
 
 def test_plan_grid_uses_measured_stage_costs() -> None:
-    from zeroc.pipeline_plan import _measured_costs
+    from zeroc.pipeline.pipeline_plan import _measured_costs
 
     labels = (("F0@s0", "F1@s0", "SEND_F0@s0->r1", "B0@s0"), ("F0@s1", "I0@s1", "W0@s1"))
     times = (((0.0, 0.002), (0.002, 0.006), (0.006, 0.007), (0.01, 0.02)),

@@ -1,7 +1,8 @@
 """A dynamic graph's static copy at a call's sizes without running it (``specialize_outputs``).
 
 A planned world reads only the structure of the full-batch graph and what it returns, so
-``zeroc.pipeline_front`` takes this copy instead of ``specialize``'s (which runs every node on
+``zeroc.pipeline.pipeline_front`` takes this copy instead of ``specialize``'s (which runs every
+node on
 fake tensors). Its outputs must have the shapes and dtypes ``specialize`` gives them, its
 other nodes no example value (none left over from the symbolic graph), and a planned world
 must be the same plan either way, for every loss reduction the pipeline proves.
@@ -17,9 +18,9 @@ from test_pipeline_losses import IGNORE, WithLoss, batch
 from torch import nn
 
 import zeroc
-import zeroc.pipeline_front as pipeline_front
-from zeroc import plan_workers
+import zeroc.pipeline.pipeline_front as pipeline_front
 from zeroc.passes.specialize_shapes import OUTPUTS_ONLY, specialize, specialize_outputs
+from zeroc.world import plan_workers
 
 
 class Reshaping(nn.Module):

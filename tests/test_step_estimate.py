@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from zeroc.runtime.hardware import estimate_collective_s, estimate_compute_s, get_profile
-from zeroc.step_estimate import _graph_timeline_s
+from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s, get_profile
+from zeroc.world.step_estimate import _graph_timeline_s
 
 PROFILE = get_profile({"base": "h100-sxm", "intra_node_bytes_per_s": 1e9,
                        "intra_node_latency_s": 1e-9})
@@ -55,7 +55,7 @@ def test_a_collective_outside_the_graphs_nodes_is_waited_at_the_end() -> None:
 
 
 def test_adamw_on_a_cpu_pays_the_launch_floor_per_parameter_tensor() -> None:
-    from zeroc.step_estimate import ADAMW_OPS_PER_TENSOR, _optimizer_s
+    from zeroc.world.step_estimate import ADAMW_OPS_PER_TENSOR, _optimizer_s
 
     plan = SimpleNamespace(pipeline=None, params=[object()] * 50)
     gpu = get_profile("h100-sxm")
@@ -71,7 +71,7 @@ def test_every_graph_of_a_model_with_a_graph_break_counts() -> None:
     compute is all of them, not the last of each kind."""
     import torch
 
-    from zeroc.world_plan import plan_world
+    from zeroc.world.world_plan import plan_world
 
     class Broken(torch.nn.Module):
         def __init__(self) -> None:

@@ -207,7 +207,7 @@ def accumulate(rank: int, world: int, micro_steps: int = 3) -> dict:
                                         .backward()))
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     with zeroc.no_sync(model):
-        assert not zeroc.sharded_params.state_of(model).requires_gradient_sync
+        assert not zeroc.sharding.sharded_params.state_of(model).requires_gradient_sync
     plan = zeroc.explain(compiled)
     # Compiled: the no-sync graphs (no reduction) and the synchronised one (every bucket).
     buckets = sum(1 for c in plan.collectives if c.op in ("reduce_scatter", "all_reduce")

@@ -20,10 +20,10 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 from zeroc.runtime.cached_files import checksum
+from zeroc.runtime.cost.hardware import get_profile
 from zeroc.runtime.errors import OptionError
-from zeroc.runtime.hardware import get_profile
-from zeroc.tune_cache import TUNE_FORMAT, write_cached
-from zeroc.tune_space import Candidate, candidates
+from zeroc.sharding.tune_cache import TUNE_FORMAT, write_cached
+from zeroc.tuning.tune_space import Candidate, candidates
 
 NARROW = {"fused_loss": [True, False], "partitioner": ["default"]}
 
@@ -66,7 +66,7 @@ def test_tune_measures_the_best_and_caches_it(tmp_path, monkeypatch) -> None:
     assert Candidate.from_json(saved["data"]["best"]) == result.best
     assert os.stat(os.path.dirname(result.cache_file)).st_mode & 0o777 == 0o700
 
-    tune_module = sys.modules["zeroc.tune"]  # zeroc.tune is the function
+    tune_module = sys.modules["zeroc.tuning.tune"]  # zeroc.tune is the function
 
     def no_search(*args, **kwargs):
         raise AssertionError("a cached layout must not be searched again")
@@ -155,7 +155,7 @@ def build():
 def test_cli_plans_a_world_and_documents_every_flag(tmp_path) -> None:
     import subprocess
 
-    from zeroc.tune_cli import _parser
+    from zeroc.cli.tune_cli import _parser
 
     help_text = _parser().format_help()
     for flag in ("--nproc", "--budget", "--search", "--measure", "--steps", "--world",

@@ -1,8 +1,8 @@
 """The tuner's screen of a world that is not here: the profiled step, its agreement with full
 plans, and ``zeroc.tune(world=64)`` on a Llama-7B-shaped model.
 
-The screen (``zeroc.tune_screen``) models each candidate from one fake training step of the
-plain model (``zeroc.model_profile``); the tuner plans only the screen's best in full. These
+The screen (``zeroc.tuning.tune_screen``) models each candidate from one fake training step of the
+plain model (``zeroc.world.model_profile``); the tuner plans only the screen's best in full. These
 tests check the profile against torch's own counts, the screen's model state and ranking
 against full plans of the same candidates, and the whole search at world 64.
 """
@@ -15,13 +15,13 @@ from models.gpt import GPT, GPTConfig
 from torch.utils.flop_counter import FlopCounterMode
 
 import zeroc
-from zeroc.model_profile import profile_model
+from zeroc.runtime.cost.hardware import get_profile
 from zeroc.runtime.errors import OptionError
-from zeroc.runtime.hardware import get_profile
-from zeroc.tune_result import spearman
-from zeroc.tune_screen import screen, state_bytes
-from zeroc.tune_space import Candidate, candidates
-from zeroc.world_plan import plan_world
+from zeroc.tuning.tune_result import spearman
+from zeroc.tuning.tune_screen import screen, state_bytes
+from zeroc.tuning.tune_space import Candidate, candidates
+from zeroc.world.model_profile import profile_model
+from zeroc.world.world_plan import plan_world
 
 transformers = pytest.importorskip("transformers")
 

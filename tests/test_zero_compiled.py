@@ -55,7 +55,7 @@ def eager_reference(name: str, autocast: bool = False
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of parameters (their flat buffers), gradients and Adam moments on this rank."""
-    from zeroc.sharded_params import sharded_of
+    from zeroc.sharding.sharded_params import sharded_of
 
     def local(value: torch.Tensor) -> torch.Tensor:
         return value.to_local() if hasattr(value, "to_local") else value
@@ -74,7 +74,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
 
 def measured_at_rest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the storages behind this rank's parameters, gradients and Adam moments."""
-    from zeroc.sharded_params import sharded_of
+    from zeroc.sharding.sharded_params import sharded_of
 
     def local(value: torch.Tensor) -> torch.Tensor:
         return value.to_local() if hasattr(value, "to_local") else value
@@ -95,8 +95,8 @@ def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
                    mixed_precision: str | None = None) -> dict:
     """Train ``name`` compiled at ``zero`` on this rank's slice; return what the tests check."""
     import zeroc
-    from zeroc.parallelize import parallelize
-    from zeroc.state_dict import full_state_dict
+    from zeroc.sharding.parallelize import parallelize
+    from zeroc.sharding.state_dict import full_state_dict
 
     torch._dynamo.reset()
     model = MODELS[name]()

@@ -105,7 +105,7 @@ def _targets(gm: torch.fx.GraphModule) -> list:
 
 
 def test_dynamo_and_aot_autograd_trace_the_ops() -> None:
-    from zeroc.parallelize import parallelize
+    from zeroc.sharding.parallelize import parallelize
 
     x = torch.ones(4, 2)
     eager = _Scaled()
@@ -125,8 +125,8 @@ def test_dynamo_and_aot_autograd_trace_the_ops() -> None:
 
 def ops_on_ranks(rank: int, world: int) -> dict:
     """Each stage's ops on known inputs, plus a compiled ZeRO-3 step, on this rank."""
-    from zeroc.parallelize import parallelize
     from zeroc.runtime.mesh import build_mesh
+    from zeroc.sharding.parallelize import parallelize
 
     group = build_mesh(1).dp_group_name
     out: dict = {"group": group}

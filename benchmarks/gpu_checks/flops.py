@@ -5,7 +5,8 @@ forward and backward of the zoo GPT (attention is counted as SDPA's full, non-ca
 recomputation is not counted); the analytic ``6 * matmul parameters * tokens + 12 * layers *
 width * seq * tokens`` is given beside it and used when the counter fails. The peak dense
 FLOP/s for the compute dtype comes from ``--peak-tflops`` when given, else from zeroc's
-hardware profile (``zeroc.runtime.hardware``, data in ``runtime/hardware_profiles.json``) named
+hardware profile (``zeroc.runtime.cost.hardware``, data in ``runtime/cost/hardware_profiles.json``)
+named
 by ``--hardware`` or matched to ``torch.cuda.get_device_name()``; without one MFU is unknown
 and the reason is recorded. ``mfu = FLOPs per step / step seconds / peak FLOP/s``.
 """
@@ -89,7 +90,7 @@ def resolve_peak(hardware: str | None, device_name: str | None, dtype: torch.dty
 
     Returns ``{"name", "peak_flops", "memory_bytes_per_s", "source", "reason"}``;
     ``peak_flops`` is ``peak_tflops * 1e12`` when given, else the hardware profile's;
-    ``None`` (and ``reason`` says why) when ``zeroc.runtime.hardware`` cannot be imported,
+    ``None`` (and ``reason`` says why) when ``zeroc.runtime.cost.hardware`` cannot be imported,
     ``hardware`` is not a known profile, or ``device_name`` matches none. Never raises.
     """
     found: dict[str, Any] = {"name": None, "peak_flops": None, "memory_bytes_per_s": None,
@@ -99,9 +100,9 @@ def resolve_peak(hardware: str | None, device_name: str | None, dtype: torch.dty
                      source="--peak-tflops")
         return found
     try:
-        from zeroc.runtime.hardware import get_profile, profile_for_device_name
+        from zeroc.runtime.cost.hardware import get_profile, profile_for_device_name
     except Exception as error:  # the module is optional here: MFU is then unknown
-        found["reason"] = (f"zeroc.runtime.hardware is not available ({type(error).__name__}: "
+        found["reason"] = (f"zeroc.runtime.cost.hardware is not available ({type(error).__name__}: "
                            f"{error})")
         return found
     try:

@@ -1,0 +1,105 @@
+"""The ``zeroc`` torch.compile backend.
+
+Registered only through the ``torch_dynamo_backends`` entry point (see pyproject.toml), so
+``torch.compile(model, backend="zeroc")`` works without ``import zeroc``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.fx
+
+from zeroc.errors import OptionError, passthrough
+from zeroc.frontend.capture import compile_dynamo_graph, source_name
+from zeroc.frontend.config import Config, pipeline_options_in
+from zeroc.frontend.grad_coverage import MissingGradientError
+from zeroc.frontend.model_changes import (
+    ModelChangedError,
+    check_graph_parameters,
+    watch_requires_grad,
+)
+from zeroc.frontend.session import find_compile_wrapper, session_for
+from zeroc.pipeline.pipeline_capture import PipelineError, compile_pipeline, pipeline_layout_of
+from zeroc.runtime.consistency import PlanMismatchError
+from zeroc.runtime.shutdown import drop_captured_groups
+
+log = logging.getLogger(__name__)
+
+
+def zeroc_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph with zeroc.
+
+    ``mode`` and ``options`` are what the user passed to ``torch.compile``; they are
+    validated into one frozen :class:`zeroc.frontend.config.Config` (``ValueError`` on bad input).
+    """
+    # torch.compile imported torch._dynamo (and with it torch.distributed.nn) just now, maybe
+    # after init_process_group: do not let those imports keep the default group alive.
+    drop_captured_groups()
+    try:
+        config = Config.build(mode, _with_tuned_options(example_inputs, options))
+        session = session_for(find_compile_wrapper(), config)
+        # A parameter added after parallelize, or an unseen requires_grad change: see there.
+        check_graph_parameters([source_name(n) for n in gm.graph.find_nodes(op="placeholder")],
+                               example_inputs)
+        layout = pipeline_layout_of(example_inputs)
+        log.debug("zeroc: backend: %s, %s", "a pipeline" if layout is not None else
+                  "one graph", config)
+        if layout is not None:
+            compiled = compile_pipeline(gm, example_inputs, config, session, layout)
+        else:
+            _warn_unused_pipeline_options(example_inputs, options)
+            compiled = compile_dynamo_graph(gm, example_inputs, config, session)
+        return watch_requires_grad(compiled, example_inputs)
+    except (OptionError, PipelineError, PlanMismatchError, MissingGradientError,
+            ModelChangedError) as error:
+        raise passthrough(error) from None
+
+
+def _with_tuned_options(example_inputs: list[Any], options: Mapping[str, Any] | None
+                        ) -> Mapping[str, Any] | None:
+    """``options`` over the tuned ones of a ``parallelize(layout="auto")`` model: the
+    tuner's choices are the defaults, what the user passed wins. They apply only where the
+    model is compiled with inputs of the shapes they were tuned for, and never hold an option
+    that changes what is computed (``zeroc.sharding.tune_cache.tuned_options_for``)."""
+    from zeroc.sharding.tune_cache import tuned_options_for
+
+    layout = next((v._zeroc_layout for v in example_inputs
+                   if hasattr(v, "_zeroc_layout")), None)
+    tuned = tuned_options_for(layout, example_inputs)
+    if not tuned:
+        return options
+    return {**dict(tuned), **dict(options or {})}
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unused_pipeline_options(example_inputs: list[Any],
+                                  options: Mapping[str, Any] | None) -> None:
+    """Warn once per process and set of options that pipeline options go unused at pp=1.
+
+    Only here is pp known (``torch.compile`` takes the options before it sees the model): a
+    graph whose parameters carry no pipeline layout belongs to a pp=1 (or unparallelized)
+    model. A graph without parameters (e.g. a graph break's tail) tells nothing and is skipped.
+    """
+    given = pipeline_options_in(options)
+    if not given or not any(isinstance(v, torch.nn.Parameter) for v in example_inputs):
+        return
+    listed = ", ".join(f"{key}={value!r}" for key, value in given.items())
+    message = (
+        f"zeroc: options {listed} apply only to pipelines, and this model was parallelized "
+        "with pp=1 (or not parallelized), so they are ignored; pass pp >= 2 to "
+        "zeroc.parallelize to pipeline it, or leave them out of the options of pp=1 runs"
+    )
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=1)

@@ -1,0 +1,409 @@
+"""The first half of a pipeline compile, the same on every pipeline position.
+
+From one Dynamo graph at the call's sizes (and, when Dynamo gave one, the same graph with a
+symbolic batch dimension) ``pipeline_front`` makes what every position of the pipeline
+compiles from: the loss output, the batch inputs and the micro-batch count, the schedule,
+the Dynamo graph's passes, the loss normalization, the parameter gathers taken out of the
+graph (ZeRO once per step), and the graph cut into stages at the micro-batch size.
+``zeroc.pipeline.pipeline_capture`` then compiles the stages one position holds.
+
+Nothing here depends on which position compiles, apart from the name of the data-parallel
+group the hoisted gathers use. A planned world (``zeroc.explain(model, inputs, world=...)``)
+plans every position in one process from one Dynamo graph (``zeroc.world.plan_capture``), so it
+keeps each front it made in ``PLANNING.shared`` and the next position takes it, with its own
+group name, instead of specializing, running the passes and splitting the same graph again.
+A front whose stage graphs still name a process group (``pp_reshard``: the gathers stay in the
+stages) is not shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+import zeroc.codegen as zeroc_codegen
+import zeroc.passes as zeroc_passes
+import zeroc.runtime as zeroc_runtime
+from zeroc.frontend.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
+from zeroc.frontend.config import Config
+from zeroc.frontend.grad_coverage import differentiated_inputs
+from zeroc.frontend.session import CompiledGraph
+from zeroc.passes.hoist_unshard import HoistedParam, hoist_unshards
+from zeroc.passes.loss_normalization import normalize_loss
+from zeroc.passes.loss_output import LossOutput, keep_loss_output
+from zeroc.passes.microbatch_shapes import microbatch_graph
+from zeroc.passes.schedule import build_schedule
+from zeroc.passes.specialize_shapes import (
+    OUTPUTS_ONLY,
+    microbatch_inputs,
+    specialize,
+    specialize_outputs,
+)
+from zeroc.passes.split_stages import StageSplit, split_stages
+from zeroc.pipeline.stage_trace import full_size_fakes
+from zeroc.runtime.actions import Schedule
+from zeroc.runtime.plan.records import ParamInfo, PassInfo
+from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.torch_compat import (
+    OpOverload,
+    OpOverloadPacket,
+    graph_break_reasons,
+    tree_flatten,
+)
+from zeroc.runtime.zero_ops import ZeroLayout
+
+__all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "FrontBuilt", "PipelineFront",
+           "default_microbatches",
+           "front_is_shared", "op_namespace", "pipeline_front", "remember_sources",
+           "shared_front"]
+
+# In a graph's ``meta``: the Dynamo graph it copies, when a planned world's positions share
+# one trace (``zeroc.world.plan_capture``) and each gets a copy naming its own process groups.
+SHARED_TRACE_META = "zeroc_shared_trace"
+
+# Namespaces of the ops that take a process group by name.
+GROUP_NAMESPACES = ("zeroc", "_c10d_functional", "c10d_functional")
+
+
+def default_microbatches(schedule: str, pp: int) -> int:
+    """Micro-batches when the user gives none: the stages, or the schedule's minimum."""
+    stages = 2 * pp if schedule == "dualpipev" else pp
+    return max(stages, 2 * pp) if schedule in ("dualpipe", "dualpipev") else stages
+
+
+USER_INPUT_META = "zeroc_user_input"
+
+
+def _is_user_input(node: torch.fx.Node) -> bool:
+    """Whether a placeholder is a tensor the caller passed (not a module's buffer or
+    attribute): its Dynamo source is a local of the forward other than ``self``, reached
+    without passing through a module. Read from Dynamo's ``grapharg``, or from what
+    ``remember_sources`` kept of it (Dynamo drops ``grapharg`` once the backend returns)."""
+    if USER_INPUT_META in node.meta:
+        return node.meta[USER_INPUT_META]
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return False
+    text = source.name() if callable(source.name) else str(source.name)
+    while getattr(source, "base", None) is not None:
+        if "Module" in type(source).__name__ or "ParamBuffer" in type(source).__name__:
+            return False
+        source = source.base
+    name = getattr(source, "local_name", None)
+    return name is not None and name != "self" and not text.startswith("G[") and all(
+        part not in text for part in ("._modules[", "._buffers[", "._parameters["))
+
+
+def remember_sources(gm: torch.fx.GraphModule) -> None:
+    """Keep what later compiles need of each placeholder's Dynamo source in its meta."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[USER_INPUT_META] = _is_user_input(node)
+            node.meta[SOURCE_NAME_META] = source_name(node)
+
+
+def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any], params: set[int],
+                  unsplit: tuple[str, ...] = ()) -> tuple[set[int], int]:
+    """The inputs cut into micro-batches (every user tensor input with a dimension, but those
+    named in ``unsplit``) and the batch size they share."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # The user's tensor inputs with a dimension, by the forward's argument name.
+    named = {source_name(n): i for i, (n, v) in enumerate(zip(placeholders, inputs,
+                                                              strict=False))
+             if i not in params and isinstance(v, torch.Tensor) and v.dim() > 0
+             and _is_user_input(n)}
+    unknown = [name for name in unsplit if name not in named]
+    if unknown:
+        raise ValueError(f"zeroc pipeline: unsplit_inputs names {unknown}, which the forward "
+                         f"does not take as a tensor; its tensor inputs are {sorted(named)}")
+    cut = {name: i for name, i in named.items() if name not in unsplit}
+    batch = set(cut.values())
+    sizes = {name: int(inputs[i].shape[0]) for name, i in sorted(cut.items(), key=lambda c: c[1])}
+    if not sizes:
+        raise ValueError("zeroc pipeline: the model takes no tensor input to cut into "
+                         "micro-batches; pass the batch as tensors (batch in dimension 0)")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"zeroc pipeline: every tensor input is cut into micro-batches along "
+                         f"dimension 0, so they need one batch size; got {sizes}. Pass an "
+                         "input that is not part of the batch whole with options="
+                         "{'unsplit_inputs': ['name']}")
+    return batch, next(iter(sizes.values()))
+
+
+def _cut_failed(error: Exception, gm: torch.fx.GraphModule, batch_inputs: set[int],
+                batch: int, microbatch: int) -> ValueError:
+    """The error for a graph that fails at the micro-batch size: name what was cut."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    cut = sorted(source_name(placeholders[i]) for i in batch_inputs)
+    return ValueError(
+        f"zeroc pipeline: the model fails on micro-batches of {microbatch} of its batch of "
+        f"{batch} ({type(error).__name__}: {str(error).strip().splitlines()[0]}). Every "
+        f"tensor input whose dimension 0 is the batch is cut into micro-batches: {cut}. If "
+        "one of them is not batch-shaped (a weight or a table that happens to have "
+        f"{batch} rows), pass it whole with options={{'unsplit_inputs': ['name']}}")
+
+
+# Frames of these files are zeroc's or torch's own, not the user's (a stack trace's outer
+# frames are the model's, its inner ones the library code the model called).
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (torch, zeroc_passes, zeroc_codegen, zeroc_runtime)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # compiler/
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """``file, line N: code`` of the innermost frame outside zeroc and torch."""
+    for filename, line, code in reversed(frames):
+        if not os.path.abspath(filename).startswith(_LIBRARY_DIRS):
+            return f"{filename}, line {line}: {code}" if code else f"{filename}, line {line}"
+    return None
+
+
+def _where(node: torch.fx.Node | None) -> str | None:
+    """``file, line N: code`` of the user's source line that traced ``node``."""
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    lines = [line.strip() for line in trace.strip().splitlines()]
+    frames = []
+    for i, line in enumerate(lines):
+        match = re.match(r'File "([^"]+)", line (\d+)', line)
+        if match:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith(
+                "File ") else ""
+            frames.append((match.group(1), int(match.group(2)), code))
+    return _user_frame(frames)
+
+
+def _break_reason(gm: torch.fx.GraphModule) -> str:
+    """Why Dynamo ended the graph, and the user's line it broke at. Dynamo leaves a
+    ``compile_subgraph_reason`` (reason text, user stack) on each graph it hands a backend;
+    when this graph ended without a break (Dynamo gave up on an outer frame and compiled an
+    inner one, such as an embedding's forward, on its own), the latest break it recorded."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        recorded = graph_break_reasons() or [None]
+        reason = recorded[-1]
+    if reason is None:
+        return ""
+    stack = [(f.filename, f.lineno, (f.line or "").strip())
+             for f in getattr(reason, "user_stack", None) or ()]
+    where = _user_frame(stack)
+    first = str(getattr(reason, "reason", "")).strip().splitlines()
+    what = first[0] if first else "a graph break"
+    return f" Dynamo broke the graph at {where or 'an unknown line'}: {what}."
+
+
+def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int],
+                     traced: torch.fx.GraphModule, inputs: list[Any]) -> None:
+    """A pipeline needs the whole forward as one graph; ``traced``: the graph as Dynamo handed
+    it over (it carries the break's reason)."""
+    if len(params) >= len(layout.params):
+        return
+    ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    lines = [where for n in ops if (where := _where(n)) is not None]
+    names = sorted(name for i in params if (name := getattr(
+        getattr(inputs[i], "_zeroc_param", None), "param_name", None)))
+    reads = f" (it reads {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+    raise ValueError(
+        f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
+        f"parameters{reads if names else ''}; with pp={layout.pp} the whole forward must be "
+        f"one graph. Dynamo split it"
+        f"{f': this graph runs from {lines[0]} to {lines[-1]}' if lines else ''}."
+        f"{_break_reason(traced)} "
+        "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
+        "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
+        "parameters"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineFront:
+    """What every pipeline position compiles from (see the module docstring)."""
+
+    params: frozenset[int]  # graph inputs that are parameters
+    loss_output: LossOutput
+    batch_inputs: frozenset[int]
+    batch: int
+    microbatches: int
+    schedule: Schedule
+    param_infos: tuple[ParamInfo, ...]
+    passes: tuple[PassInfo, ...]  # the Dynamo graph's, named ``<prefix>.dynamo``
+    normalization: Any
+    names: tuple[str, ...]  # every graph input's source name
+    hoisted: dict[int, HoistedParam]
+    split: StageSplit
+    dp_group_name: str  # the group ``hoisted`` gathers over
+    # Trainable parameters eager's ``loss.backward()`` reaches (``zeroc.frontend.grad_coverage``);
+    # None: Dynamo left no autograd metadata to read.
+    differentiated: frozenset[int] | None = None
+
+    @property
+    def microbatch(self) -> int:
+        return self.batch // self.microbatches
+
+    def for_group(self, dp_group_name: str) -> PipelineFront:
+        """This front for a position whose data-parallel group is ``dp_group_name``."""
+        if dp_group_name == self.dp_group_name:
+            return self
+        hoisted = {i: dataclasses.replace(h, group_name=dp_group_name)
+                   if h.group_name == self.dp_group_name else h for i, h in self.hoisted.items()}
+        return dataclasses.replace(self, hoisted=hoisted, dp_group_name=dp_group_name)
+
+
+class FrontBuilt(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by the pipeline compiler under ``PLANNING.front_only`` once the front is made
+    and kept: a planned world builds what its positions share before planning any of them."""
+
+
+def op_namespace(target: Any) -> str | None:
+    """The op namespace of an FX target (``torch.ops.zeroc.unshard`` or its ``.default``)."""
+    if isinstance(target, OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0]
+    return target.namespace if isinstance(target, OpOverload) else None
+
+
+def _names_a_group(split: StageSplit) -> bool:
+    """Whether a stage graph still calls an op that takes a process group's name."""
+    for spec in split.stages:
+        for node in spec.gm.graph.nodes:
+            namespace = op_namespace(node.target)
+            if node.op == "call_function" and namespace in GROUP_NAMESPACES and any(
+                    isinstance(a, str) for a in (*node.args, *node.kwargs.values())):
+                return True
+    return False
+
+
+def front_is_shared(dynamic_gm: torch.fx.GraphModule) -> bool:
+    """Whether a position of this planned world kept a front of ``dynamic_gm`` (then the
+    graph is only a key: the front is taken with the asking position's group name)."""
+    shared = PLANNING.shared
+    return shared is not None and ("pipeline_front_graph", id(dynamic_gm)) in shared
+
+
+def shared_front() -> PipelineFront | None:
+    """The one pipeline front kept in ``PLANNING.shared`` while a world is planned, if there
+    is exactly one."""
+    shared = PLANNING.shared or {}
+    fronts = [v for k, v in shared.items() if isinstance(k, tuple) and k[0] == "pipeline_front"]
+    return fronts[0] if len(fronts) == 1 else None
+
+
+def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,
+                   layout: ZeroLayout, prefix: str,
+                   dynamic_gm: torch.fx.GraphModule | None = None) -> PipelineFront:
+    """The front of ``gm`` (the graph at the call's sizes; None: ``dynamic_gm`` specialized
+    to them), taken from ``PLANNING.shared`` when a position of the same planned world made it
+    already. ``dynamic_gm``: the same graph with a symbolic batch dimension, if Dynamo gave
+    one: the stages are then traced from it at the micro-batch size; otherwise ``gm``'s
+    batch-size constants are rewritten."""
+    shared = PLANNING.shared
+    key = None
+    if shared is not None and dynamic_gm is not None:
+        sizes = tuple(int(v) for v in example_inputs if isinstance(v, (int, torch.SymInt)))
+        source = dynamic_gm.meta.get(SHARED_TRACE_META, dynamic_gm)
+        key = ("pipeline_front", id(source), sizes, prefix, repr(config.to_dict()))
+        front = shared.get(key)
+        if front is not None:
+            return front.for_group(layout.dp_group_name)
+    if gm is None and PLANNING.simulated:  # see _build: planning runs no full-batch graph
+        gm = specialize_outputs(dynamic_gm, example_inputs)
+    if gm is None:
+        gm = specialize(dynamic_gm, example_inputs)
+    front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm)
+    if key is not None and not _names_a_group(front.split):
+        shared[key] = front
+        shared[("pipeline_front_graph", id(source))] = source  # keeps the id unique
+    return front
+
+
+def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+           layout: ZeroLayout, prefix: str,
+           dynamic_gm: torch.fx.GraphModule | None) -> PipelineFront:
+    params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
+    _check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm,
+                     example_inputs)
+    loss_output = keep_loss_output(gm, params)
+    differentiated = _differentiated(gm, dynamic_gm, loss_output)
+    batch_inputs, batch = _batch_inputs(gm, example_inputs, params, config.unsplit_inputs)
+    pp = layout.pp
+    microbatches = config.microbatches or default_microbatches(config.schedule, pp)
+    if batch % microbatches:
+        raise ValueError(
+            f"zeroc pipeline: microbatches={microbatches} does not divide the batch of "
+            f"{batch}; use a batch that is a multiple of {microbatches} or a microbatches "
+            f"option that divides {batch}"
+        )
+    try:
+        schedule = build_schedule(config.schedule, pp, microbatches)
+    except ValueError as error:
+        raise ValueError(f"zeroc pipeline: schedule={config.schedule!r} with pp={pp} and "
+                         f"microbatches={microbatches}: {error}") from None
+    record = CompiledGraph(prefix=prefix, params=parameter_infos(gm, example_inputs))
+    device = next((v.device for v in example_inputs if isinstance(v, torch.Tensor)),
+                  torch.device("cpu"))
+    microbatch = batch // microbatches
+    micro_inputs = None if dynamic_gm is None else microbatch_inputs(
+        dynamic_gm, example_inputs, batch_inputs, microbatch)
+    if micro_inputs is None and gm.meta.get(OUTPUTS_ONLY):  # the full-batch graph is needed
+        gm = specialize(dynamic_gm, example_inputs)
+        loss_output = keep_loss_output(gm, params)
+    # Stage graphs are always traced for training (a no_grad call runs their forwards only).
+    # The full-batch graph gets the passes too, even when the stages come from the
+    # micro-batch graph: the loss normalization reads the loss as the passes leave it
+    # (Hugging Face's loss call is only recognised after them), and its denominator is
+    # computed from the full-batch inputs. A planned world never computes the denominator
+    # (``zeroc.runtime.pipeline_sync``: there are no values) and reads only the
+    # normalization's kind, which the micro-batch graph, the same nodes at other sizes, gives:
+    # its full-batch graph is a copy that was never run (``specialize_outputs``).
+    normalization = None
+    if not gm.meta.get(OUTPUTS_ONLY):
+        full = run_dynamo_passes(gm, config, record if micro_inputs is None else
+                                 CompiledGraph(prefix=prefix, params=()), device,
+                                 need_grad=True)
+        # The loss becomes a sum per micro-batch; the step divides once by the whole
+        # batch's denominator.
+        normalization = normalize_loss(full, params, config.loss_reduction)
+    names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
+        gm, size = full, batch
+    else:  # traced at the micro-batch size: nothing to rewrite
+        try:
+            specialized = specialize(dynamic_gm, micro_inputs, costs=True)
+        except RuntimeError as error:
+            raise _cut_failed(error, dynamic_gm, batch_inputs, batch, microbatch) from None
+        gm, size = specialized, microbatch
+        keep_loss_output(gm, params)
+        gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
+        micro = normalize_loss(gm, params, config.loss_reduction)
+        if normalization is None:
+            normalization = dataclasses.replace(micro, denominator=None)
+    # ZeRO once per step: the stage graphs read and differentiate full parameters.
+    hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
+    try:
+        mgraph = microbatch_graph(gm, full_size_fakes(example_inputs, hoisted), batch_inputs,
+                                  size, microbatch)
+    except RuntimeError as error:
+        raise _cut_failed(error, gm, batch_inputs, batch, microbatch) from None
+    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
+    return PipelineFront(
+        params=frozenset(params), loss_output=loss_output, batch_inputs=frozenset(batch_inputs),
+        batch=batch, microbatches=microbatches, schedule=schedule, param_infos=record.params,
+        passes=tuple(record.passes),
+        normalization=normalization, names=tuple(names), hoisted=hoisted, split=split,
+        dp_group_name=layout.dp_group_name, differentiated=differentiated)
+
+
+def _differentiated(gm: torch.fx.GraphModule, dynamic_gm: torch.fx.GraphModule | None,
+                    loss_output: LossOutput) -> frozenset[int] | None:
+    """The inputs eager's backward from the loss reaches, read from the graph as Dynamo
+    traced it (``gm`` now returns the loss alone; ``dynamic_gm``, if given, is unchanged)."""
+    if dynamic_gm is None:
+        return differentiated_inputs(gm)
+    output = next(n for n in dynamic_gm.graph.nodes if n.op == "output")
+    if len(tree_flatten(output.args[0])[0]) != loss_output.count:
+        return None
+    return differentiated_inputs(dynamic_gm, [loss_output.index])

@@ -1,0 +1,137 @@
+"""Pipeline stages are traced on fake tensors of a mode of their own: nothing on the device.
+
+AOTAutograd traces each stage graph on example arguments: its joint graph when the pipeline
+compiles and, on the first ``torch.no_grad()`` call, its forward-only graph. With ZeRO's
+gathers hoisted out of the stage graphs (``passes/hoist_unshard.py``) a stage reads its
+parameters whole, so the arguments have the full parameters' shapes. Made as tensors on the
+rank's device they would be real memory (a CUDA allocation is memory, whether its pages are
+touched or not): every full parameter of the rank's stages next to its shards while the
+pipeline compiles, and for as long as a forward-only graph kept its arguments.
+
+So a pipeline compile makes a ``StageTrace``: a ``FakeTensorMode`` of its own and, for the
+inputs this rank's stages read, fake tensors of that mode with the shapes, strides, dtypes,
+devices and gradient flags the stage graphs see (a hoisted parameter: its full shape, in
+its gather's dtype). Tensors of that mode carry metadata only. Everything that traces a
+stage graph or passes over it runs inside ``StageTrace.tracing()``: no fake mode from around
+the compile (a planned world's, whose tensors stand for device memory: ``zeroc.world.fake_world``)
+and no tracing context (Dynamo's, when a static graph's pipeline compiles inside the
+backend call), so AOTAutograd takes the stage's own mode from its arguments (it traces
+with that mode active: what the graph makes itself, a factory's output, is fake too), and
+the graph passes that add nodes give them values in that mode (``detect_fake_mode`` on the
+graph's values).
+
+``LazyInference`` keeps a stage's graph and its fake arguments, never a device tensor,
+until its first call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from zeroc.runtime.pipeline_zero import HoistedParam
+from zeroc.runtime.torch_compat import (
+    FakeTensorMode,
+    aot_export_joint_simple,
+    tracing,
+    unset_fake_temporarily,
+)
+
+__all__ = ["LazyInference", "StageTrace", "full_size_fakes"]
+
+log = logging.getLogger(__name__)
+
+
+class StageTrace:
+    """The fake tensors a pipeline's stage graphs are traced on (see the module docstring).
+
+    ``inputs[i]`` stands for the compiled graph's input ``i`` where a stage of this rank
+    reads it (``None`` elsewhere): a hoisted parameter as the full parameter, anything else
+    as it is."""
+
+    def __init__(self, inputs: list[Any], hoisted: dict[int, HoistedParam],
+                 needed: Iterable[int]) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.inputs: list[Any] = [None] * len(inputs)
+        with self.tracing(), self.mode:
+            for index in sorted(set(needed)):
+                value = inputs[index]
+                spec = hoisted.get(index)
+                if spec is not None:
+                    self.inputs[index] = _full_parameter(value, spec)
+                elif isinstance(value, torch.Tensor):
+                    self.inputs[index] = self.mode.from_tensor(value, static_shapes=True)
+                else:
+                    self.inputs[index] = value
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """No ambient fake mode and no Dynamo tracing context (see the module docstring)."""
+        with tracing(None), unset_fake_temporarily():
+            yield
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: Any,
+              requires_grad: bool) -> torch.Tensor:
+        """A fake message of this trace (a stage's input from the stage before it)."""
+        with self.tracing(), self.mode:
+            return torch.zeros(shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+
+def _full_parameter(shard: torch.Tensor, spec: HoistedParam) -> nn.Parameter:
+    """A parameter of ``spec``'s full shape and gather dtype, like ``shard`` otherwise (made
+    in the active mode)."""
+    full = torch.empty(spec.shape, dtype=spec.param_dtype or shard.dtype, device=shard.device)
+    return nn.Parameter(full, requires_grad=shard.requires_grad)
+
+
+def full_size_fakes(inputs: list[Any], hoisted: dict[int, HoistedParam]) -> list[Any]:
+    """``inputs`` with each hoisted parameter replaced by a fake full-size one (a mode of its
+    own: metadata only), for passes that read shapes (the micro-batch graph)."""
+    out = list(inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with tracing(None), unset_fake_temporarily(), mode:
+        for index, spec in hoisted.items():
+            out[index] = _full_parameter(inputs[index], spec)
+    return out
+
+
+class LazyInference:
+    """A stage's forward-only graph, traced and compiled on its first ``no_grad`` call.
+
+    Traced without the joint: nothing is saved for a backward, and the fused loss computes no
+    head gradients (``need_grad=False``). It keeps the stage's fake arguments (``trace``'s
+    mode: no memory) until then."""
+
+    def __init__(self, stage_gm: torch.fx.GraphModule, args: list[Any], trace: StageTrace,
+                 compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
+                 decompositions: dict[Any, Any] | None = None) -> None:
+        self.stage_gm = stage_gm
+        self.decompositions = decompositions
+        self.trace = trace
+        with trace.tracing():
+            self.args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        self.compile_graph = compile_graph
+        self.graph: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.graph is None:
+            gm = torch.fx.GraphModule(self.stage_gm, copy.deepcopy(self.stage_gm.graph))
+            for node in gm.graph.nodes:
+                if node.target is torch.ops.zeroc.linear_cross_entropy.default:
+                    node.args = (*node.args[:7], False)
+            gm.recompile()
+            with self.trace.tracing():
+                with torch.no_grad(), self.trace.mode:
+                    traced = aot_export_joint_simple(gm, self.args, trace_joint=False,
+                                                     decompositions=self.decompositions)
+                self.graph = self.compile_graph(traced)
+            log.debug("zeroc: traced a stage's forward-only graph on its first no_grad call")
+            self.stage_gm = self.args = self.trace = None  # type: ignore[assignment]
+        return self.graph(*args)

@@ -1,0 +1,389 @@
+"""Sharded parameters: what ``zeroc.parallelize`` puts in a module in place of each parameter.
+
+Every parameter becomes two tensors that share storage:
+
+- its **flat buffer**, a 1-D ``nn.Parameter`` kept outside the module's parameter registry (in
+  ``module.__dict__`` as ``_zeroc_flat_<name>``). The compiled graphs and the eager
+  ``zeroc::unshard`` op read it, and autograd delivers the gradient to it. Stages 2 and 3: this
+  rank's rows, zero-padded to the same size on every rank. Stages 0 and 1 (and 0-d
+  parameters): the whole parameter, flattened.
+- its **visible parameter**, ``module._parameters[name]``: an ``nn.Parameter`` of the original
+  shape whose data is a view of the flat buffer. With a process group and ZeRO 1-3 it holds a
+  DTensor on the data-parallel mesh, ``Shard(0)`` (a 0-d parameter: ``Replicate()``); at
+  stage 0, or without a process group, a plain tensor. ``model.parameters()``,
+  ``state_dict()``, optimizers, DCP and ``clip_grad_norm_`` see only these.
+
+Reading ``module.<name>`` inside the forward of a parallelized module (or while Dynamo traces
+one) gives the full weight, gathered from the flat buffer; anywhere else it gives the visible
+parameter, so reading a weight never communicates. Modules are given a subclass whose class
+attribute ``<name>`` is a property doing exactly that (as ``torch.nn.utils.parametrize`` does).
+
+Gradients: a post-accumulate-grad hook on the flat buffer moves each gradient into the visible
+parameter's ``.grad`` (a DTensor over a view of it), adding when one is there, so
+``zero_grad``, accumulation and clipping act on the visible parameters as with FSDP2.
+
+Gradient accumulation without synchronisation (``set_requires_gradient_sync(False)``): the
+forward adds a zero-stride "sink" of the full shape to each gathered weight and gathers from a
+detached buffer, so the backward reduces nothing and the sink's ``.grad`` sums the full local
+gradients (the full-size gradient memory FSDP2's no-sync also holds). The next synchronised
+step passes that sum to ``zeroc::unshard`` as ``pending``; its backward adds it to the step's
+gradient before the one reduction, so k micro-steps cost one reduction per bucket. A pipeline
+(``pp > 1``) never opens sinks, so its graphs are the same with and without sync: the
+pipelined step reads the switch when it runs and keeps its own pending sums
+(``ZeroState.pipeline_pending``, see ``zeroc.pipeline.pipelined_step``).
+
+ZeRO-1 keeps whole parameters and whole gradients; the visible DTensor covers this rank's rows
+of them, so the optimizer holds state for those rows only, and after ``optimizer.step()`` one
+all-gather per dtype brings every rank's updated rows to all (``after_optimizer_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from zeroc.runtime.torch_compat import all_gather_single, make_contiguous_strides_for
+from zeroc.runtime.zero_ops import ParamShard, unshard
+from zeroc.sharding.param_guards import guard_methods
+
+__all__ = ["FLAT_PREFIX", "ShardedParam", "UnshardSpec", "ZeroState", "install",
+           "set_requires_gradient_sync"]
+
+FLAT_PREFIX = "_zeroc_flat_"
+SPEC_PREFIX = "_zeroc_spec_"
+SHARD_PREFIX = "_zeroc_param_"
+FIRST_PREFIX = "_zeroc_first_"
+STATE_ATTR = "_zeroc_state"
+SHARDED_ATTR = "_zeroc_sharded"
+
+
+class UnshardSpec(NamedTuple):
+    """The constant arguments of one parameter's ``zeroc::unshard`` call."""
+
+    shape: tuple[int, ...]
+    numel: int
+    group_name: str
+    op_stage: int
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedParam:
+    """One parameter's flat buffer, visible parameter and how to map between them."""
+
+    record: ParamShard
+    flat: nn.Parameter
+    visible: nn.Parameter
+    spec: UnshardSpec
+    local_offset: int  # first element of this rank's rows inside ``flat``
+    dp_mesh: Any  # the DTensor mesh, or None for a plain visible parameter
+    placement: str  # "shard", "replicate" or "plain"
+    # Gradient accumulation without synchronisation: a zero-stride leaf of the full shape
+    # added to the gathered weight, so its ``.grad`` sums the unreduced full gradients.
+    sink: torch.Tensor | None = None
+    # False once a pipeline gave the parameter to other ranks' stages
+    # (``zeroc.sharding.stage_holding``).
+    held: bool = True
+    # A meta model's ``zeroc.sharding.deferred_init.DeferredInit`` while the values are not
+    # computed.
+    deferred: Any = None
+    # ``move_grad`` is registered on ``flat`` (``zeroc.frontend.model_changes``)
+    hooked: bool = False
+
+    def open_sink(self) -> None:
+        """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
+        if self.sink is None and self.flat.requires_grad:
+            dtype = self.spec.reduce_dtype or self.flat.dtype
+            zero = torch.zeros((), dtype=dtype, device=self.flat.device)
+            self.sink = zero.expand(self.record.shape).requires_grad_()
+
+    def local_layout(self) -> tuple[int, tuple[int, ...]]:
+        """Where this rank's rows lie in the flat buffer: (first element, their shape)."""
+        shape = self.record.shape
+        if self.placement != "shard":
+            return 0, shape
+        return self.local_offset, (self.record.local_rows, *shape[1:])
+
+    def local_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``flat`` (or of a tensor laid out like it) in their shape."""
+        start, shape = self.local_layout()
+        return flat[start : start + math.prod(shape)].view(shape)
+
+    def dtensor_placement(self) -> Any:
+        """The visible DTensor's placement on ``dp_mesh`` (``None`` for a plain tensor)."""
+        if self.placement == "plain":
+            return None
+        from torch.distributed.tensor import Replicate, Shard
+
+        return Shard(0) if self.placement == "shard" else Replicate()
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the visible parameter's kind of tensor (DTensor or plain)."""
+        placement = self.dtensor_placement()
+        if placement is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        shape = torch.Size(self.record.shape)
+        return DTensor.from_local(local, self.dp_mesh, [placement], run_check=False,
+                                  shape=shape, stride=make_contiguous_strides_for(shape))
+
+    def move_grad(self, flat: torch.Tensor) -> None:
+        """Post-accumulate hook of ``flat``: its gradient goes to the visible parameter.
+
+        A synchronised step has consumed the pending accumulation: the sink is dropped."""
+        grad = flat.grad
+        if grad is None:  # a compiled no-sync step may call the hook with no gradient
+            return
+        flat.grad = None
+        if not self.visible.requires_grad:  # frozen since the graph was traced: none, as eager
+            return
+        self.sink = None
+        incoming = self.wrap(self.local_view(grad))
+        if self.visible.grad is None:
+            self.visible.grad = incoming
+        else:
+            self.visible.grad.add_(incoming)
+
+
+@dataclasses.dataclass(eq=False)
+class ZeroState:
+    """Mutable per-model state: every sharded parameter and the gradient-sync switch."""
+
+    params: list[ShardedParam]
+    requires_gradient_sync: bool = True
+    # Pipeline positions (``parallelize``'s pp). With pp > 1 no sink is opened.
+    pp: int = 1
+    # pp > 1: unsynchronised gradients of pipelined steps, by ``id`` of the flat buffer (the
+    # graph input), summed and already scaled by each step's seeded gradient; and whether a
+    # pipelined step ran without sync since the last synchronised one (the same on every rank,
+    # as every rank runs the same loop: the next synchronised step then reduces in its
+    # backward, where the seeded gradient is known). See ``zeroc.pipeline.pipelined_step``.
+    pipeline_pending: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    pipeline_accumulating: bool = False
+
+
+class _ForwardDepth(threading.local):
+    depth = 0
+
+
+_FORWARD = _ForwardDepth()
+
+
+def _enter_forward(module: nn.Module, args: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _FORWARD.depth += 1
+
+
+def _exit_forward(module: nn.Module, args: Any, output: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _FORWARD.depth = max(0, _FORWARD.depth - 1)
+
+
+# The hooks above, for code that traces a parallelized model without them (they do nothing
+# while compiling): ``zeroc.world.plan_capture``.
+FORWARD_DEPTH_HOOKS = (_enter_forward, _exit_forward)
+
+
+# Each distinct spec by its text. A module holds the text of its parameters' specs, so
+# Dynamo guards one string per parameter (and a reused block region re-checks one) instead
+# of each field of the spec; the text names every field, so equal texts are equal specs.
+_SPECS: dict[str, UnshardSpec] = {}
+
+
+def _spec_key(spec: UnshardSpec) -> str:
+    """``spec``'s text, under which ``_spec_of`` finds it."""
+    key = repr(spec)
+    _SPECS.setdefault(key, spec)
+    return key
+
+
+@torch.compiler.assume_constant_result
+def _spec_of(key: str) -> UnshardSpec:
+    """The spec whose text is ``key`` (a constant to Dynamo: ``key`` is guarded instead)."""
+    return _SPECS[key]
+
+
+def full_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>`` gathered in full from its flat buffer (differentiable).
+
+    Without gradient synchronisation the gradient goes, unreduced, to the sink; the next
+    synchronised use (by the parameter's first owner only, so a tied parameter adds it once)
+    adds the sink's accumulated gradient before the reduction."""
+    spec = _spec_of(module.__dict__[SPEC_PREFIX + name])
+    flat = module.__dict__[FLAT_PREFIX + name]
+    sink = module.__dict__[SHARD_PREFIX + name].sink
+    if sink is not None and not module.__dict__[STATE_ATTR].requires_gradient_sync:
+        gathered = unshard(flat.detach(), spec.shape, spec.numel, spec.group_name,
+                           spec.op_stage, spec.param_dtype)
+        return gathered + sink.to(gathered.dtype)
+    pending = sink.grad if sink is not None and module.__dict__[FIRST_PREFIX + name] else None
+    return unshard(flat, spec.shape, spec.numel, spec.group_name, spec.op_stage,
+                   spec.param_dtype, spec.reduce_dtype, pending)
+
+
+def _property(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor:
+        if torch.compiler.is_compiling() or _FORWARD.depth > 0:
+            return full_weight(self, name)
+        return self._parameters[name]
+
+    def set_(self: nn.Module, value: Any) -> None:
+        raise AttributeError(
+            f"cannot assign {type(self).__name__}.{name}: the module was parallelized by "
+            "zeroc; change the parameter in place (with torch.no_grad(): "
+            f"module.{name}.copy_(...)) or load a state dict"
+        )
+
+    return property(get, set_, doc=f"``{name}``: gathered in the forward, else the shard.")
+
+
+_SUBCLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+class _SaveSettings(threading.local):
+    include_released = False  # True inside ``zeroc.sharding.stage_holding.all_parameters``
+
+
+SAVE_SETTINGS = _SaveSettings()
+
+
+def _saver(cls: type, names: tuple[str, ...]):
+    """``_save_to_state_dict`` that leaves out parameters released to other pipeline ranks
+    (``zeroc.sharding.stage_holding``): the ranks holding them save them."""
+    def save(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
+        released = {n for n in names if not self.__dict__[SHARD_PREFIX + n].held}
+        if not released or SAVE_SETTINGS.include_released:
+            return cls._save_to_state_dict(self, destination, prefix, keep_vars)
+        params = self.__dict__["_parameters"]
+        self.__dict__["_parameters"] = {k: v for k, v in params.items() if k not in released}
+        try:
+            return cls._save_to_state_dict(self, destination, prefix, keep_vars)
+        finally:
+            self.__dict__["_parameters"] = params
+
+    return save
+
+
+def _qualified_name(module: nn.Module, name: str) -> str:
+    return module.__dict__[SHARD_PREFIX + name].record.name
+
+
+def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
+    key = (cls, names)
+    if key not in _SUBCLASSES:
+        attrs = {n: _property(n) for n in names}
+        attrs["_save_to_state_dict"] = _saver(cls, names)
+        attrs.update(guard_methods(cls, names, _qualified_name))  # replacing one raises
+        attrs["__module__"] = cls.__module__
+        _SUBCLASSES[key] = type(cls.__name__, (cls,), attrs)
+    return _SUBCLASSES[key]
+
+
+def install(owners: list[tuple[nn.Module, str]], sharded: ShardedParam) -> None:
+    """Put ``sharded`` into every ``(module, local name)`` that owned the parameter."""
+    for index, (module, local) in enumerate(owners):
+        module._parameters[local] = sharded.visible
+        module.__dict__[FLAT_PREFIX + local] = sharded.flat
+        module.__dict__[SPEC_PREFIX + local] = _spec_key(sharded.spec)
+        module.__dict__[SHARD_PREFIX + local] = sharded
+        module.__dict__[FIRST_PREFIX + local] = index == 0
+    setattr(sharded.visible, SHARDED_ATTR, sharded)
+    # A frozen parameter gets no gradient (one unfrozen later: ``zeroc.frontend.model_changes``).
+    if sharded.flat.requires_grad:
+        sharded.flat.register_post_accumulate_grad_hook(sharded.move_grad)
+        sharded.hooked = True
+
+
+def finish_modules(root: nn.Module, modules: dict[nn.Module, list[str]],
+                   state: ZeroState) -> None:
+    """Swap each owner's class for its property subclass and count forward depth."""
+    for module, names in modules.items():
+        module.__class__ = _sharded_class(type(module), tuple(dict.fromkeys(names)))
+        module.__dict__[STATE_ATTR] = state
+    for module in {root, *modules}:
+        module.register_forward_pre_hook(_enter_forward)
+        module.register_forward_hook(_exit_forward, always_call=True)
+
+
+def state_of(model: nn.Module) -> ZeroState | None:
+    """The ``ZeroState`` of a parallelized model (``None`` if it was not parallelized)."""
+    state = model.__dict__.get(STATE_ATTR)
+    if state is None:
+        state = next((m.__dict__[STATE_ATTR] for m in model.modules()
+                      if STATE_ATTR in m.__dict__), None)
+    return state
+
+
+def set_requires_gradient_sync(state: ZeroState, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction off (accumulate locally) or back on (the next backward reduces
+    this step's and every accumulated gradient)."""
+    state.requires_gradient_sync = bool(requires_gradient_sync)
+    # A pipeline runs its backward inside the compiled call: it reads the switch at run time
+    # (``zeroc.pipeline.pipelined_step``) and its graphs must not depend on it.
+    if not requires_gradient_sync and state.pp == 1:
+        for sharded in state.params:
+            sharded.open_sink()
+
+
+def sharded_of(param: torch.Tensor) -> ShardedParam | None:
+    """The ``ShardedParam`` behind a visible parameter, if it is one."""
+    return getattr(param, SHARDED_ATTR, None)
+
+
+def _gather_whole_rows(params: list[ShardedParam]) -> None:
+    """ZeRO-1 after a step: all-gather every rank's rows of ``params`` (one dtype, one group)."""
+    first = params[0]
+    group = first.dp_mesh.get_group()
+    dp = group.size()
+    pieces, widths = [], []
+    for p in params:
+        per_rank = -(-p.record.shape[0] // dp) * (p.record.numel // p.record.shape[0])
+        local = p.flat.detach()[p.local_offset : p.local_offset + per_rank]
+        if local.numel() < per_rank:
+            local = torch.nn.functional.pad(local, (0, per_rank - local.numel()))
+        pieces.append(local)
+        widths.append(per_rank)
+    send = torch.cat(pieces)
+    recv = send.new_empty(dp * send.numel())
+    all_gather_single(recv, send, group=group)
+    rows = recv.view(dp, -1)
+    offset = 0
+    with torch.no_grad():
+        for p, width in zip(params, widths, strict=True):
+            whole = rows[:, offset : offset + width].reshape(-1)[: p.record.numel]
+            p.flat.copy_(whole)
+            offset += width
+
+
+def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: refresh ZeRO-1 parameters from every rank's rows."""
+    pending: dict[tuple[str, torch.dtype], list[ShardedParam]] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            sharded = sharded_of(param)
+            # A parameter another pipeline stage holds (released here) has no rows on this
+            # rank; the ranks of one data-parallel group hold the same stages, so they agree.
+            if sharded is not None and sharded.record.op_stage == 0 and (
+                    sharded.placement == "shard") and sharded.held:
+                key = (sharded.spec.group_name, sharded.flat.dtype)
+                pending.setdefault(key, []).append(sharded)
+    for params in pending.values():
+        _gather_whole_rows(list(dict.fromkeys(params)))
+
+
+_STEP_HOOK: list[Any] = []
+
+
+def ensure_step_hook() -> None:
+    """Register ``after_optimizer_step`` once for every optimizer of this process."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(after_optimizer_step))

@@ -1,0 +1,1 @@
+"""Choosing a layout: zeroc.tune's search, screen, estimates and results, and zeroc.calibrate."""

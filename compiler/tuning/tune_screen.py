@@ -1,0 +1,277 @@
+"""Screen every candidate layout from one profiled step, before any is planned in full.
+
+A plan of one layout of a 7B-shaped model at world 64 takes tens of seconds (Dynamo, the
+passes, every pipeline position's fake step), and ``zeroc.tune`` has over a hundred layouts
+to rank there. So, for a world that is not here, the tuner first screens them all on one
+``ModelProfile`` (``zeroc.world.model_profile``: the plain model's fake training step, op by op)
+and plans in full only the best few. The screen models, per candidate:
+
+- **stages**: the forward ops cut into the schedule's stages (``pp``, or ``2 pp`` for the
+  V-shaped schedules) of equal forward time, in order; each stage's parameters are those its
+  ops read first, its saved bytes those its ops' outputs autograd keeps.
+- **compute**: every op as a roofline on the profile (``estimate_compute_s``) at the
+  micro-batch's rows, except elementwise ops, which a compiled graph fuses: each run of
+  them is one kernel (one launch floor) that writes each op's output once; a stage's
+  backward is its forward times the step's backward/forward ratio, split evenly into input
+  and weight gradients. The recomputing partitioner (``partitioner="min_cut"``) saves no
+  elementwise output; running those ops again fuses into the backward's kernels, which
+  read their inputs anyway, so it adds no time here (a plan of the compiled graphs finds
+  it a few percent faster, from fewer writes, or slower: the plan decides). The fused loss
+  (``fused_loss=True``) saves no logits-sized tensor and recomputes the ops that made
+  them, chunk by chunk, in the backward.
+- **the pipeline**: the schedule run through the simulator (``zeroc.runtime.cost.simulate``) with
+  these per-stage costs and the p2p time of one stage boundary's activation, which gives
+  the step's makespan, its bubble, and how many micro-batches each rank holds at once.
+- **ZeRO**: model state per rank (16 bytes per fp32 parameter: the parameter, its
+  gradient, two AdamW moments; divided over the data-parallel ranks as ``state_bytes``
+  says) and the collectives a step issues (ring model on the profile's links), exposed in
+  full for a pipeline (gathered once per step) and, for ZeRO-3 without a pipeline, hidden
+  behind the compute when ``prefetch`` issues the next gather early. Held on top during the
+  step: at ZeRO-3 without a pipeline the parameters of the op that runs and those
+  prefetched; at ZeRO-2, and in a pipeline at ZeRO-3, the rank's whole parameters, and a
+  pipeline's full gradients too (summed over the micro-batches, reduced once). The
+  backward's working set is two of the stage's largest outputs.
+- **the optimizer**: AdamW's 28 bytes per parameter element a rank updates, at memory
+  bandwidth.
+
+The screen is a model of what a plan would find, not a plan: the tuner plans the winners in
+full (``zeroc.world.world_plan``) and ranks them by their plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeroc.passes.schedule import build_schedule
+from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s
+from zeroc.runtime.cost.simulate import ActionCosts, simulate
+from zeroc.tuning.tune_space import Candidate
+from zeroc.world.model_profile import ModelProfile, OpRecord
+
+__all__ = ["Screened", "screen", "state_bytes"]
+
+ADAMW_BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v: 7 fp32 values
+STATE_BYTES_PER_PARAM_BYTE = 4  # fp32 parameter, gradient and two moments: 4x the parameter
+V_SHAPED = ("dualpipev",)  # schedules that place two stages on every rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Screened:
+    """A candidate's screened step (seconds), the largest rank's peak bytes and model state
+    between steps (``state_bytes``), and the step's parts."""
+
+    step_s: float
+    peak_bytes: int
+    state_bytes: int
+    parts: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    forward_s: float
+    loss_recompute_s: float  # what the fused loss runs again, chunk by chunk
+    saved: int
+    saved_pointwise: int
+    saved_logits: int
+    saved_logits_pointwise: int
+    params: int
+    largest_param_op: int
+    largest_output: int
+
+
+def _cut(times: list[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges of ``times`` with about equal sums, one per stage."""
+    total = sum(times) or 1.0
+    bounds, running, start = [], 0.0, 0
+    for index, value in enumerate(times):
+        running += value
+        if len(bounds) < stages - 1 and running >= total * (len(bounds) + 1) / stages:
+            bounds.append((start, index + 1))
+            start = index + 1
+    bounds.append((start, len(times)))
+    while len(bounds) < stages:  # fewer ops than stages: empty stages at the end
+        bounds.append((len(times), len(times)))
+    return bounds
+
+
+def _stages(profile: ModelProfile, times: list[float], count: int) -> list[_Stage]:
+    logits = profile.largest_output()
+    found = []
+    for start, end in _cut(times, count):
+        ops: list[OpRecord] = list(profile.forward[start:end])
+        op_s = times[start:end]
+        found.append(_Stage(
+            forward_s=sum(op_s),
+            loss_recompute_s=sum(t for t, op in zip(op_s, ops, strict=True)
+                                 if logits and op.out_bytes * 2 >= logits),
+            saved=sum(op.saved for op in ops),
+            saved_pointwise=sum(op.saved for op in ops if op.pointwise),
+            # logits-sized outputs the fused loss does not save (elementwise ones: counted
+            # once, with the recomputing partitioner's)
+            saved_logits=sum(op.saved for op in ops if logits and op.out_bytes * 2 >= logits
+                             and not op.pointwise),
+            saved_logits_pointwise=sum(op.saved for op in ops if op.pointwise and logits
+                                       and op.out_bytes * 2 >= logits),
+            params=sum(op.param_bytes for op in ops),
+            largest_param_op=max((op.param_bytes for op in ops), default=0),
+            largest_output=max((op.out_bytes for op in ops), default=0)))
+    return found
+
+
+def state_bytes(params: int, zero: int, dp: int) -> int:
+    """Parameters, gradients and AdamW moments a rank keeps between steps for ``params``
+    fp32 bytes at ZeRO ``zero``: zeroc's ZeRO-1 shards the moments, ZeRO-2 and 3 all three
+    (ZeRO-2 gathers the parameters for the whole step, ZeRO-3 where they are used)."""
+    shard = -(-params // dp)
+    if zero == 0:
+        return STATE_BYTES_PER_PARAM_BYTE * params
+    if zero == 1:
+        return 2 * params + 2 * shard
+    return STATE_BYTES_PER_PARAM_BYTE * shard
+
+
+def _zero_collectives_s(params: int, zero: int, dp: int, piped: bool, hardware: Any,
+                        inter_node: bool) -> tuple[float, float]:
+    """(gather seconds, reduction seconds) of one step's ZeRO collectives over ``params``."""
+    if dp == 1:
+        return 0.0, 0.0
+    if zero == 0:
+        return 0.0, estimate_collective_s("all_reduce", params, dp, hardware, inter_node)
+    gather = estimate_collective_s("all_gather", params, dp, hardware, inter_node)
+    reduce = estimate_collective_s("reduce_scatter", params, dp, hardware, inter_node)
+    if zero == 3 and not piped:
+        gather *= 2  # gathered again for the backward
+    return gather, reduce
+
+
+def _times(ops: tuple[OpRecord, ...], scale: float, forward: bool, recompute: bool,
+           dtype: str, hardware: Any) -> list[float]:
+    """Each op's seconds at ``scale`` of the profiled batch (see the module's compute)."""
+    found = []
+    for index, op in enumerate(ops):
+        if not op.pointwise:
+            found.append(estimate_compute_s(op.flops * scale, op.bytes * scale, dtype,
+                                            hardware))
+            continue
+        # One fused kernel per run of elementwise ops: one launch; it writes the run's
+        # result, and in the forward what the backward keeps (nothing elementwise when the
+        # partitioner recomputes it).
+        first = index == 0 or not ops[index - 1].pointwise
+        last = index + 1 == len(ops) or not ops[index + 1].pointwise
+        written = last or (forward and op.saved and not recompute)
+        seconds = op.out_bytes * scale / hardware.memory_bytes_per_s if written else 0.0
+        found.append(max(seconds, hardware.launch_floor_s) if first else seconds)
+    return found
+
+
+# Candidates differ mostly in ZeRO stage and options that leave the compute alone: the op
+# times and stage cuts of one profile are kept per (scale, recompute, stages, dtype, profile).
+_COSTED: dict[tuple[Any, ...], tuple[list[float], float, list[_Stage]]] = {}
+_BACKWARD: dict[tuple[Any, ...], float] = {}
+_COSTED_FOR: list[Any] = [None]
+
+
+def _costed(profile: ModelProfile, scale: float, recompute: bool, stage_count: int,
+            dtype: str, hardware: Any) -> tuple[list[float], float, list[_Stage]]:
+    """(forward op seconds, backward/forward ratio, stages) of ``profile`` at ``scale``."""
+    if _COSTED_FOR[0] is not profile:
+        _COSTED.clear()
+        _BACKWARD.clear()
+        _COSTED_FOR[0] = profile
+    key = (scale, recompute, stage_count, dtype, id(hardware))
+    if key not in _COSTED:
+        times = _times(profile.forward, scale, True, recompute, dtype, hardware)
+        backward = _costed_backward(profile, scale, dtype, hardware)
+        ratio = backward / (sum(times) or 1e-12)
+        _COSTED[key] = (times, ratio, _stages(profile, times, stage_count))
+    return _COSTED[key]
+
+
+def _costed_backward(profile: ModelProfile, scale: float, dtype: str, hardware: Any) -> float:
+    key = (scale, dtype, id(hardware))
+    if key not in _BACKWARD:
+        _BACKWARD[key] = sum(_times(profile.backward, scale, False, False, dtype, hardware))
+    return _BACKWARD[key]
+
+
+def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: Any,
+           dtype: str = "float32") -> Screened:
+    """The screened step and peak of ``candidate`` on ``hardware`` (see the module)."""
+    options = candidate.options_dict()
+    pp, zero = candidate.pp, candidate.zero
+    dp = world // pp
+    microbatches = int(options.get("microbatches") or 1) if pp > 1 else 1
+    schedule_name = options.get("schedule") or "1f1b"
+    stage_count = 2 * pp if pp > 1 and schedule_name in V_SHAPED else pp
+    scale = 1.0 / microbatches
+
+    recompute = options.get("partitioner", "min_cut") == "min_cut"
+    times, ratio, stages = _costed(profile, scale, recompute, stage_count, dtype, hardware)
+    fused = bool(options.get("fused_loss", True))
+    costs, saved = [], []
+    for stage in stages:
+        backward = stage.forward_s * ratio
+        backward += stage.loss_recompute_s if fused else 0.0
+        costs.append((stage.forward_s, backward, backward / 2))
+        kept = stage.saved - (stage.saved_pointwise if recompute else 0)
+        if fused:
+            kept -= stage.saved_logits + (0 if recompute else stage.saved_logits_pointwise)
+        saved.append(max(0, int(kept * scale)))
+    inter_node = dp > hardware.devices_per_node
+    schedule = build_schedule(schedule_name, pp, microbatches) if pp > 1 else None
+    if schedule is not None:
+        message = int(max((profile.forward[max(0, end - 1)].out_bytes
+                           for _, end in _cut(times, stage_count)[:-1]), default=0) * scale)
+        p2p = estimate_collective_s("send", message, 2, hardware,
+                                    dp >= hardware.devices_per_node)
+        timeline = simulate(schedule, ActionCosts(stages=tuple(costs), p2p_latency=p2p))
+        compute_s, bubble = timeline.makespan, max(
+            timeline.bubble_ratio(r) for r in range(pp))
+        in_flight = timeline.peak_activations
+    else:
+        compute_s, bubble = costs[0][0] + costs[0][1], 0.0
+        in_flight = (1,)
+    steps, peaks, states, exposed_all, optimizer_all = [], [], [], [], []
+    for rank in range(pp):
+        mine = _placement(schedule, rank, stage_count)
+        params = sum(stages[s].params for s in mine)
+        gather_s, reduce_s = _zero_collectives_s(params, zero, dp, pp > 1, hardware,
+                                                 inter_node)
+        if pp > 1:
+            exposed = gather_s + reduce_s
+        elif zero == 3 and int(options.get("prefetch", 1) or 0) > 0:
+            exposed = max(0.0, gather_s + reduce_s - compute_s)
+        else:
+            exposed = gather_s + max(0.0, reduce_s - costs[0][1])
+        elements = params // 4 if zero == 0 else -(-params // 4 // dp)
+        optimizer_s = elements * ADAMW_BYTES_PER_ELEMENT / hardware.memory_bytes_per_s
+        activations = max(saved[s] for s in mine) * in_flight[rank]
+        if not fused and stage_count - 1 in mine:  # the logits' gradient, while it lives
+            activations += int(profile.largest_output() * scale)
+        # The backward's working set: an op's output gradient and its input's, at once.
+        activations += 2 * int(max(stages[s].largest_output for s in mine) * scale)
+        gathered = 0
+        if zero == 3 and pp == 1:
+            gathered = max(stages[s].largest_param_op for s in mine) * (
+                1 + int(options.get("prefetch", 1) or 0))
+        elif zero >= 2:  # the whole step's parameters; a pipeline's summed full gradients
+            gathered = params * (2 if pp > 1 else 1)
+        state = state_bytes(params, zero, dp)
+        states.append(state)
+        peaks.append(state + activations + gathered)
+        steps.append(compute_s + exposed + optimizer_s)
+        exposed_all.append(exposed)
+        optimizer_all.append(optimizer_s)
+    slowest = max(range(pp), key=lambda r: steps[r])
+    return Screened(step_s=steps[slowest], peak_bytes=max(peaks), state_bytes=max(states),
+                    parts={
+        "compute_s": compute_s, "exposed_communication_s": max(exposed_all),
+        "optimizer_s": max(optimizer_all), "bubble": bubble})
+
+
+def _placement(schedule: Any, rank: int, stage_count: int) -> list[int]:
+    """The stages ``rank`` runs in ``schedule`` (every stage without a pipeline)."""
+    if schedule is None:
+        return list(range(stage_count))
+    return sorted({a.stage for a in schedule.compute_actions(rank) if a.stage is not None})

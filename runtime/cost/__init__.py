@@ -1,0 +1,1 @@
+"""The cost model: hardware profiles, calibration, per-op timings, step simulation."""

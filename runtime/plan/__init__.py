@@ -1,0 +1,1 @@
+"""The Plan IR and its renderings: immutable records, plan text, schedule grids, Chrome traces."""
