@@ -8,13 +8,13 @@ import logging
 import math
 import os
 import stat
-import time
 from typing import Any
 
 import pytest
 import torch
 
 from zeroc.runtime.cached_files import checksum
+from zeroc.runtime.cost import calibration
 from zeroc.runtime.cost import cpu_profile as cpu_profile_module
 from zeroc.runtime.cost.cpu_profile import calibrate_cpu, cpu_profile
 from zeroc.runtime.cost.hardware import (
@@ -205,11 +205,22 @@ def _meminfo_total() -> int | None:
                      if line.startswith("MemTotal:")), None)
 
 
-def test_calibrate_cpu_measures_this_machine() -> None:
-    start = time.perf_counter()
+def test_calibrate_cpu_measures_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    budgets = []  # the time each measurement is given (not timed here: the machine may be busy)
+    for name in ("measure_matmul", "measure_memory_bandwidth", "measure_launch_floor"):
+        measure = getattr(calibration, name)
+
+        def given(device, seconds, *args, _measure=measure, _name=name):
+            budgets.append((_name, seconds))
+            return _measure(device, seconds, *args)
+
+        monkeypatch.setattr(calibration, name, given)
     profile = calibrate_cpu(seconds=1.0)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.5, elapsed  # about the time asked for (loose: the machine may be busy)
+    # every CPU matmul shape, the copy and the launch floor: the time asked for
+    shapes = sum(len(v) for v in calibration.MATMUL_SHAPES["cpu"].values())
+    matmul = next(s for n, s in budgets if n == "measure_matmul")
+    assert len(budgets) == 3
+    assert shapes * matmul + sum(s for n, s in budgets[1:]) == pytest.approx(1.0)
     assert profile.name.startswith("cpu-") and profile.name == profile.name.lower()
     assert " " not in profile.name and "(r)" not in profile.name
     assert list(profile.peak_flops) == ["float32"]
