@@ -193,7 +193,7 @@ def add_action_times(totals: dict[str, float], compiled: Any, rank: int, step_s:
     of the step outside the executor (Dynamo call, gradient hand-off, AdamW) to ``totals``."""
     from zeroc.frontend.session import SESSION_ATTR, wrapper_of
 
-    timings = getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor.timings
+    timings = getattr(wrapper_of(compiled), SESSION_ATTR).pipelined_executor().timings
     labels, spans = timings.labels[rank], timings.times[rank]
     for label, (start, end) in zip(labels, spans, strict=True):
         kind = action_kind(label)

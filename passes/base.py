@@ -3,6 +3,10 @@
 ``run_passes`` applies a literal list of passes to one graph. After each pass it lints the
 graph, recompiles it, and records the graph text before and after (provenance), so that
 ``zeroc.explain`` can show what every pass did.
+
+What the passes rewrite is an ``fx.GraphModule`` or any IR that is a ``PassSubject`` (a
+pipeline program): it says how it reads as text, how big it is and how it is checked, which
+``run_passes`` uses in place of ``graph_text``, ``count_nodes`` and ``graph.lint()``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.fx
@@ -22,13 +26,36 @@ from zeroc.runtime.torch_compat import LazyGraphModule
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class PassSubject(Protocol):
+    """An IR other than an ``fx.GraphModule`` that passes rewrite (``run_passes``)."""
+
+    def pass_text(self) -> str:
+        """Readable text: the pass table's before/after."""
+        ...
+
+    def pass_size(self) -> int:
+        """The pass table's "nodes" before/after."""
+        ...
+
+    def pass_check(self) -> None:
+        """Lint: raise if the IR is inconsistent."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class PassResult:
-    """What a pass returns: the (possibly new) graph, whether it changed, and counters."""
+    """What a pass returns: the (possibly new) graph or ``PassSubject`` (``gm``, also read as
+    ``ir``), whether it changed, and counters."""
 
-    gm: torch.fx.GraphModule
+    gm: Any
     changed: bool
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ir(self) -> Any:
+        """``gm`` under the name that fits an IR that is not a graph."""
+        return self.gm
 
 
 @dataclasses.dataclass
@@ -64,7 +91,7 @@ class PassRecord:
     stats: dict[str, Any]
 
 
-GraphPass = Callable[[torch.fx.GraphModule, PassContext], PassResult]
+GraphPass = Callable[[Any, PassContext], PassResult]
 
 
 def pass_infos(records: list[PassRecord]) -> list[PassInfo]:
@@ -98,37 +125,62 @@ def count_nodes(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
 
 
+def _subject_text(subject: Any) -> str:
+    return graph_text(subject) if isinstance(subject, torch.fx.GraphModule) else \
+        subject.pass_text()
+
+
+def _subject_size(subject: Any) -> int:
+    return count_nodes(subject) if isinstance(subject, torch.fx.GraphModule) else \
+        subject.pass_size()
+
+
+def _check_subject(subject: Any, pass_name: str) -> None:
+    """Lint and recompile a graph; ``pass_check`` any other ``PassSubject``."""
+    if isinstance(subject, torch.fx.GraphModule):
+        subject.graph.lint()
+        subject.recompile()
+    elif isinstance(subject, PassSubject):
+        subject.pass_check()
+    else:
+        raise TypeError(f"pass {pass_name} returned a {type(subject).__name__}, which is "
+                        "neither an fx.GraphModule nor a PassSubject")
+
+
 def run_passes(
-    gm: torch.fx.GraphModule,
+    gm: Any,
     ctx: PassContext,
     passes: Sequence[GraphPass],
     record: bool = True,
-) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
-    """Apply ``passes`` in order; return the final graph and one record per pass.
+) -> tuple[Any, list[PassRecord]]:
+    """Apply ``passes`` in order to ``gm`` (an ``fx.GraphModule`` or a ``PassSubject``);
+    return the final one and one record per pass.
 
     Each pass's stats are logged at DEBUG (``TORCH_LOGS="+zeroc"``)."""
     records: list[PassRecord] = []
     debug = log.isEnabledFor(logging.DEBUG)
-    text = graph_text(gm) if record else ""
+    if not isinstance(gm, (torch.fx.GraphModule, PassSubject)):
+        raise TypeError(f"run_passes takes an fx.GraphModule or a PassSubject, not a "
+                        f"{type(gm).__name__}")
+    text = _subject_text(gm) if record else ""
     for graph_pass in passes:
         before = text  # a pass's graph before is the previous pass's graph after
-        n_before = count_nodes(gm)
+        n_before = _subject_size(gm)
         start = time.perf_counter()
         result = graph_pass(gm, ctx)
         if not isinstance(result, PassResult):
             raise TypeError(f"pass {graph_pass.__name__} returned {type(result).__name__}, "
                             "expected PassResult")
         gm = result.gm
-        gm.graph.lint()
-        gm.recompile()
-        text = graph_text(gm) if record else ""
+        _check_subject(gm, graph_pass.__name__)
+        text = _subject_text(gm) if record else ""
         records.append(
             PassRecord(
                 pass_name=graph_pass.__name__,
                 graph_name=ctx.graph_name,
                 changed=result.changed,
                 nodes_before=n_before,
-                nodes_after=count_nodes(gm),
+                nodes_after=_subject_size(gm),
                 before=before,
                 after=text,
                 stats=dict(result.stats),

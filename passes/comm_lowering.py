@@ -19,8 +19,10 @@ both properties on any lowered schedule by replaying it with rendezvous semantic
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
+from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.actions import (
     Action,
     ActionKind,
@@ -30,6 +32,7 @@ from zeroc.runtime.actions import (
     data_output,
     p2p_groups,  # the executor groups its actions the same way
 )
+from zeroc.runtime.program import Program
 
 
 def _consumer(part: Action, schedule: Schedule) -> tuple[int, int] | None:
@@ -169,3 +172,24 @@ def verify_p2p(schedule: Schedule) -> None:
             stuck = ", ".join(f"rank {r}: {groups[r][position[r]]}"
                               for r in range(schedule.num_ranks) if position[r] < len(groups[r]))
             raise ValueError(f"schedule {schedule.name} deadlocks with blocking p2p at {stuck}")
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` in the same per-rank order (for ``torch.no_grad()``)."""
+    return schedule.replace_actions(tuple(
+        tuple(part for a in rank_actions for part in a.parts() if part.kind is ActionKind.F)
+        for rank_actions in schedule.actions))
+
+
+def comm_lowering(program: Program, ctx: PassContext) -> PassResult:
+    """Program pass: the pipeline layout's schedules (training and ``no_grad``) become the
+    program's compute schedule with its p2p actions (``lower_communication``)."""
+    if program.schedule is None or program.pipeline is None:  # pp = 1: autograd's schedule
+        return PassResult(program, False)
+    training = lower_communication(program.schedule)
+    forward = lower_communication(forward_only(program.schedule))
+    pipeline = dataclasses.replace(program.pipeline, schedule=training, forward_schedule=forward)
+    p2p = sum(a.is_p2p for actions in training.actions for a in actions)
+    here = sum(a.is_p2p for a in training.actions[program.pipeline.position])
+    return PassResult(dataclasses.replace(program, pipeline=pipeline), True,
+                      {"p2p_actions": p2p, "p2p_actions_here": here})

@@ -13,6 +13,11 @@ unsynchronised accumulation (``pending``): its step keeps those sums itself.
 
 The stage graphs are then traced on fake full-size parameters of a fake tensor mode of their
 own (``zeroc.pipeline.stage_trace``), never on tensors of the rank's device.
+
+``hoist_unshards(gm, ctx)`` is the pass (``run_passes``, with a
+``zeroc.passes.front_context.FrontContext``): ``remove_param_unshards`` in place with
+``ctx.params`` and ``ctx.names``, the ``HoistedParam``s published as ``ctx.hoisted``. With
+``pp_reshard=True`` it leaves the graph as it is: the stages gather for themselves.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import torch
 import torch.fx
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard)
+from zeroc.passes.base import PassContext, PassResult
+from zeroc.passes.front_context import front_context
 from zeroc.passes.microbatch_shapes import HOISTED_VALUE, SPECIALIZED_RUN
 from zeroc.runtime.pipeline_zero import HoistedParam
 
-__all__ = ["hoist_unshards"]
+__all__ = ["hoist_unshards", "remove_param_unshards"]
 
 UNSHARD = torch.ops.zeroc.unshard
 _ARGS = ("shard", "shape", "numel", "group_name", "zero_stage", "param_dtype", "reduce_dtype",
@@ -41,8 +48,19 @@ def _arguments(node: torch.fx.Node) -> dict[str, Any]:
     return values
 
 
-def hoist_unshards(gm: torch.fx.GraphModule, params: set[int],
-                   names: list[str]) -> dict[int, HoistedParam]:
+def hoist_unshards(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: ``remove_param_unshards(gm, ctx.params, ctx.names)`` (in place) unless the config
+    says ``pp_reshard``; publishes ``ctx.hoisted``."""
+    front = front_context(ctx, "hoist_unshards")
+    if ctx.config.pp_reshard:
+        front.hoisted = {}
+        return PassResult(gm, False, {"skipped": "pp_reshard=True: the stages gather"})
+    front.hoisted = remove_param_unshards(gm, front.params, front.names)
+    return PassResult(gm, bool(front.hoisted), {"hoisted": len(front.hoisted)})
+
+
+def remove_param_unshards(gm: torch.fx.GraphModule, params: set[int],
+                          names: list[str]) -> dict[int, HoistedParam]:
     """Remove the unshards of parameter placeholders from ``gm`` (in place); see above."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index_of = {n.name: i for i, n in enumerate(placeholders)}

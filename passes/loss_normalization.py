@@ -20,6 +20,11 @@ from the whole batch (Megatron's token-count normalisation):
 Anything else is refused with an error that says what was found and which option to pass.
 ``denominator`` is a graph over the same placeholders that computes the normaliser from the
 full-batch inputs; ``None`` means 1.
+
+``normalize_loss(gm, ctx)`` is the pass (``run_passes``, with a
+``zeroc.passes.front_context.FrontContext``): ``loss_to_numerator`` in place with
+``ctx.params`` and ``ctx.config.loss_reduction``, the ``LossNormalization`` published as
+``ctx.normalization``.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from zeroc.passes.base import PassContext, PassResult
 from zeroc.passes.dead_code import has_effect
+from zeroc.passes.front_context import front_context
 from zeroc.runtime.torch_compat import tree_flatten
 
-__all__ = ["LossNormalization", "normalize_loss", "LossReductionError"]
+__all__ = ["LossNormalization", "LossReductionError", "loss_to_numerator", "normalize_loss"]
 
 _CROSS_ENTROPY = {F.cross_entropy, F.nll_loss}
 _SIGNATURES = {f: inspect.signature(f) for f in _CROSS_ENTROPY}
@@ -199,8 +206,21 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     return f"the loss is computed by {name}"
 
 
-def normalize_loss(gm: torch.fx.GraphModule, param_indices: set[int],
-                   loss_reduction: str | None) -> LossNormalization:
+def normalize_loss(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: ``loss_to_numerator`` of ``gm`` (in place) with ``ctx.params`` and the config's
+    ``loss_reduction``; publishes ``ctx.normalization``."""
+    front = front_context(ctx, "normalize_loss")
+    nodes = len(gm.graph.nodes)
+    front.normalization = found = loss_to_numerator(gm, front.params,
+                                                    ctx.config.loss_reduction)
+    # "mean" and "token_mean" rewrite the loss into a sum; dead code may go with it.
+    changed = found.kind in ("mean", "token_mean") or len(gm.graph.nodes) != nodes
+    return PassResult(gm, changed, {"kind": found.kind,
+                                    "denominator": found.denominator is not None})
+
+
+def loss_to_numerator(gm: torch.fx.GraphModule, param_indices: set[int],
+                      loss_reduction: str | None) -> LossNormalization:
     """Rewrite ``gm``'s scalar loss into its numerator in place; return how to normalise.
 
     ``loss_reduction``: ``None`` derives it from the graph (refusing what it cannot prove);

@@ -7,7 +7,7 @@ Dynamo hands the backend a graph whose outputs are all of those tensors. No rank
 holds the whole batch's logits (the last stage sees one micro-batch at a time), so the
 pipeline computes the loss alone.
 
-``keep_loss_output(gm)`` picks the loss: the one floating 0-d output that depends on a
+``rewrite_to_loss(gm, params)`` picks the loss: the one floating 0-d output that depends on a
 parameter, or, where there are several, the one all the others feed into (a Hugging Face
 mixture-of-experts model with ``output_router_logits=True`` returns ``.loss``, the language
 model loss plus the router's auxiliary loss, and ``.aux_loss`` itself). It rewrites the
@@ -16,6 +16,10 @@ other output's shape and dtype: the compiled call returns them as tensors on the
 device (no data; using one where data is needed raises), so Dynamo can rebuild the model's
 output structure and ``output.loss`` reads the real loss. No candidate, or several none of
 which holds all the others, is refused with an error that lists the outputs found.
+
+``keep_loss_output(gm, ctx)`` is the pass (``run_passes``, with a
+``zeroc.passes.front_context.FrontContext``): ``rewrite_to_loss`` in place, the
+``LossOutput`` published as ``ctx.loss_output``.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from typing import Any
 import torch
 import torch.fx
 
+from zeroc.passes.base import PassContext, PassResult
+from zeroc.passes.front_context import front_context
 from zeroc.passes.loss_normalization import reads_parameter
 from zeroc.runtime.torch_compat import tree_flatten
 
-__all__ = ["LossOutput", "keep_loss_output"]
+__all__ = ["LossOutput", "keep_loss_output", "rewrite_to_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +96,17 @@ def _total(flat: list[Any], candidates: list[int]) -> list[int]:
     return totals
 
 
-def keep_loss_output(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
+def keep_loss_output(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: ``rewrite_to_loss(gm, ctx.params)`` (in place); publishes ``ctx.loss_output``."""
+    front = front_context(ctx, "keep_loss_output")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    before = output.args
+    front.loss_output = found = rewrite_to_loss(gm, front.params)
+    return PassResult(gm, output.args != before,
+                      {"loss_index": found.index, "dropped_outputs": found.count - 1})
+
+
+def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
     """Rewrite ``gm`` (in place) to return only its loss; ``params``: parameter positions."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_names = {placeholders[i].name for i in params if i < len(placeholders)}

@@ -4,7 +4,7 @@ Dynamo traces the model at the batch the user passed, so shape arguments such as
 ``x.view(batch, seq, heads, head_dim)`` hold the full batch size as a constant. A pipeline runs
 every stage on micro-batches of ``batch / microbatches`` rows, so those constants must shrink.
 
-``microbatch_graph(gm, inputs, batch_inputs, batch, microbatch)`` walks the graph once with fake
+``shrink_to_microbatch(gm, inputs, batch_inputs, batch, microbatch)`` walks the graph once with fake
 tensors at the micro-batch size and follows the batch dimension of every value: the batch
 inputs carry it in dimension 0; after each node the dimension whose size shrank by the
 micro-batch ratio is that value's batch dimension (at most one per tensor). Before running a
@@ -25,6 +25,11 @@ the passes since changed is run again. A hoisted parameter's placeholder
 Each node also gets a cost from the aten ops it dispatches: matmul/attention FLOPs from
 ``torch.utils.flop_counter``'s formulas, one FLOP per output element otherwise, and the bytes
 it reads and writes (an embedding reads the rows it gathers, not the whole table).
+
+``microbatch_graph(gm, ctx)`` is the pass (``run_passes``, with a
+``zeroc.passes.front_context.FrontContext``): ``shrink_to_microbatch`` of ``gm`` with
+``ctx.fake_inputs``, ``ctx.batch_inputs``, ``ctx.traced_batch`` and ``ctx.microbatch``; it
+returns the new graph and publishes the ``MicrobatchGraph`` as ``ctx.mgraph``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard for fake runs)
-from zeroc.passes.base import graph_module
+from zeroc.passes.base import PassContext, PassResult, graph_module
+from zeroc.passes.front_context import front_context
 from zeroc.runtime.torch_compat import (
     FakeTensor,
     FakeTensorMode,
@@ -81,7 +87,8 @@ class MicrobatchGraph:
 
     ``values[name]`` is the fake value of every node at the micro-batch size;
     ``batch_dependent`` names the nodes that depend on a batch input; ``costs`` the
-    per-node estimates; ``ratio`` is ``batch // microbatch``.
+    per-node estimates; ``ratio`` is ``batch // microbatch``; ``resized`` counts the
+    view/reshape/expand nodes whose batch size was rewritten.
     """
 
     gm: torch.fx.GraphModule
@@ -89,6 +96,7 @@ class MicrobatchGraph:
     batch_dependent: set[str]
     costs: dict[str, NodeEstimate]
     ratio: int
+    resized: int = 0
 
 
 class CostMode(TorchDispatchMode):
@@ -189,7 +197,17 @@ def _run(node: torch.fx.Node, gm: torch.fx.GraphModule, args: tuple, kwargs: dic
     return gm.get_submodule(node.target)(*args, **kwargs)
 
 
-def microbatch_graph(
+def microbatch_graph(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: ``shrink_to_microbatch`` of ``gm`` (a new graph); publishes ``ctx.mgraph``."""
+    front = front_context(ctx, "microbatch_graph")
+    front.mgraph = mgraph = shrink_to_microbatch(gm, front.fake_inputs, front.batch_inputs,
+                                                 front.traced_batch, front.microbatch)
+    return PassResult(mgraph.gm, mgraph.resized > 0, {
+        "ratio": mgraph.ratio, "resized": mgraph.resized,
+        "batch_dependent": len(mgraph.batch_dependent)})
+
+
+def shrink_to_microbatch(
     gm: torch.fx.GraphModule,
     inputs: list[Any],
     batch_inputs: set[int],
@@ -211,6 +229,7 @@ def microbatch_graph(
     dims: dict[str, int | None] = {}
     dependent: set[str] = set()
     costs: dict[str, NodeEstimate] = {}
+    resized = 0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with fake_mode, torch.enable_grad():
         for index, (node, value) in enumerate(zip(placeholders, inputs, strict=False)):
@@ -241,7 +260,9 @@ def microbatch_graph(
                 in_full = _tensor_shape(first.meta.get("example_value"))
                 out_full = _tensor_shape(full)
                 if in_full is not None and out_full is not None:
+                    sizes = node.args
                     _rewrite_sizes(node, dims[first.name], in_full, out_full, ratio)
+                    resized += node.args != sizes
             args = torch.fx.node.map_arg(node.args, lambda n: values[n.name])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n.name])
             run = node.meta.get(SPECIALIZED_RUN) if specialized is not None else None
@@ -262,7 +283,7 @@ def microbatch_graph(
                                  "depending on a batch input")
     gm.recompile()
     return MicrobatchGraph(gm=gm, values=values, batch_dependent=dependent, costs=costs,
-                           ratio=ratio)
+                           ratio=ratio, resized=resized)
 
 
 def _specialized_mode(gm: torch.fx.GraphModule) -> FakeTensorMode | None:

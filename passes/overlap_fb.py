@@ -11,17 +11,25 @@ followed by the other graph's compute before its wait.
 
 The merged graph takes ``(forward args..., backward args...)`` and returns
 ``(forward outputs..., backward outputs...)``; ``num_forward_outputs`` says where they split.
+
+``overlap_fb`` is the Program pass (``zeroc.runtime.program``): every overlapped action of this
+rank's schedule gets its F&B graph once (``<stage>.fb<backward stage>`` in the program's
+graphs, and in the forward stage's ``overlapped``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
+from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.actions import ActionKind
 from zeroc.runtime.cost.cost import node_cost
+from zeroc.runtime.program import Program, frozen_mapping
 from zeroc.runtime.torch_compat import tree_flatten
 
 
@@ -101,11 +109,30 @@ class OverlappedGraph:
         return self.gm(*args)
 
 
-def overlap_forward_backward(f_stage: Any, b_stage: Any) -> OverlappedGraph:
-    """The F&B graph of ``f_stage``'s forward and ``b_stage``'s full backward.
-
-    Both are ``zeroc.runtime.pipeline_executor.StageProgram``s whose ``forward`` and
-    ``backward`` are FX graph modules.
-    """
-    merged = interleave(f_stage.forward, b_stage.backward)
-    return OverlappedGraph(merged, len(_outputs(f_stage.forward)))
+def overlap_fb(program: Program, ctx: PassContext) -> PassResult:
+    """Program pass: the F&B graph of every overlapped action this rank runs (module
+    docstring), built once per (forward stage, backward stage)."""
+    if program.schedule is None or program.pipeline is None:  # pp = 1: nothing overlaps
+        return PassResult(program, False)
+    pairs = dict.fromkeys((a.stage, a.b_stage)
+                          for a in program.schedule.actions[program.pipeline.position]
+                          if a.kind is ActionKind.FB)
+    stages = program.stage_map()
+    graphs = dict(program.graphs)
+    overlapped: dict[int, dict[int, OverlappedGraph]] = {}
+    for f_stage, b_stage in pairs:
+        if b_stage in stages[f_stage].overlapped:
+            continue
+        forward = graphs[program.graph_name(f_stage, "forward")]
+        merged = interleave(forward, graphs[program.graph_name(b_stage, "backward")])
+        graphs[program.graph_name(f_stage, f"fb{b_stage}")] = merged
+        overlapped.setdefault(f_stage, dict(stages[f_stage].overlapped))[b_stage] = (
+            OverlappedGraph(merged, len(_outputs(forward))))
+    if not overlapped:
+        return PassResult(program, False)
+    new_stages = tuple(
+        dataclasses.replace(s, overlapped=frozen_mapping(overlapped[s.index]))
+        if s.index in overlapped else s for s in program.stages)
+    return PassResult(dataclasses.replace(program, graphs=frozen_mapping(graphs),
+                                          stages=new_stages), True,
+                      {"fb_graphs": sum(len(v) for v in overlapped.values())})

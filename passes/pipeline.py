@@ -9,14 +9,48 @@ from __future__ import annotations
 from zeroc.passes.activation_recompute import tag_activation_recompute
 from zeroc.passes.dead_code import eliminate_dead_code
 from zeroc.passes.fusion import fusion
+from zeroc.passes.hoist_unshard import hoist_unshards
 from zeroc.passes.linear_cross_entropy import fuse_linear_cross_entropy
+from zeroc.passes.loss_normalization import normalize_loss
+from zeroc.passes.loss_output import keep_loss_output
+from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.noop_views import remove_noop_views
+from zeroc.passes.specialize_shapes import specialize, specialize_outputs
+from zeroc.passes.split_stages import split_stages
 from zeroc.passes.zero import lower_zero
 from zeroc.passes.zero_recompute import tag_zero_recompute
 
 # On the Dynamo graph (torch-level ops), before AOTAutograd traces it.
 DYNAMO_PASSES = (
     fuse_linear_cross_entropy,
+)
+
+# The pipeline front (``zeroc.pipeline.pipeline_front``, with a
+# ``zeroc.passes.front_context.FrontContext``), on the Dynamo graph of a pipelined model, in
+# this order: a dynamic graph made static at the call's (or one micro-batch's) sizes,
+SPECIALIZE_PASSES = (
+    specialize,
+)
+# or, while a world is planned, a copy that is never run (its outputs' shapes only);
+SPECIALIZE_OUTPUTS_PASSES = (
+    specialize_outputs,
+)
+# the loss kept as the only output; then DYNAMO_PASSES;
+LOSS_PASSES = (
+    keep_loss_output,
+)
+# the loss as a sum over the micro-batch (its normaliser published beside it);
+NORMALIZE_PASSES = (
+    normalize_loss,
+)
+# on the graph whose stages are compiled: ZeRO gathers taken out (once per step),
+HOIST_PASSES = (
+    hoist_unshards,
+)
+# then the graph at the micro-batch size, cut into stages.
+STAGE_PASSES = (
+    microbatch_graph,
+    split_stages,
 )
 
 # On the joint forward+backward graph, before it is partitioned.

@@ -13,6 +13,11 @@ A graph whose batch dimension is symbolic can also be specialized at the *micro-
 to it or a position index broadcast over it, then has the micro-batch's size, exactly as if
 the model had been called with one micro-batch. ``zeroc.parallelize(model, pp=...)`` asks
 Dynamo for such a graph by marking dimension 0 of the inputs dynamic before the first trace.
+
+The passes (``run_passes``, with a ``zeroc.passes.front_context.FrontContext``):
+``specialize`` is ``specialized_copy`` of the graph at ``ctx.inputs`` (``ctx.costs``: costed),
+``specialize_outputs`` is ``outputs_only_copy``, or ``specialized_copy`` where that cannot
+tell an output's size. ``microbatch_inputs`` makes inputs, not a graph: it is a helper.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import sympy
 import torch
 import torch.fx
 
-from zeroc.passes.base import graph_module
+from zeroc.passes.base import PassContext, PassResult, graph_module
+from zeroc.passes.front_context import front_context
 from zeroc.passes.microbatch_shapes import (
     PLAIN_TYPES,
     SPECIALIZED_RUN,
@@ -33,8 +39,8 @@ from zeroc.passes.microbatch_shapes import (
 )
 from zeroc.runtime.torch_compat import FakeTensorMode
 
-__all__ = ["OUTPUTS_ONLY", "microbatch_inputs", "size_inputs", "specialize",
-           "specialize_outputs"]
+__all__ = ["OUTPUTS_ONLY", "microbatch_inputs", "outputs_only_copy", "size_inputs",
+           "specialize", "specialize_outputs", "specialized_copy"]
 
 # In a graph's ``meta``: set on a ``specialize_outputs`` copy, whose nodes carry no example
 # values but the outputs'.
@@ -95,12 +101,39 @@ def _cost_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
     return tuple(parts) if add(args) and add(kwargs) else None
 
 
-def specialize(gm: torch.fx.GraphModule, inputs: list[Any],
-               costs: bool = False) -> torch.fx.GraphModule:
+def specialize(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: the static copy of the dynamic graph ``gm`` at ``ctx.inputs`` (a new graph;
+    ``ctx.costs``: costed), see ``specialized_copy``."""
+    front = front_context(ctx, "specialize")
+    out = specialized_copy(gm, front.inputs, costs=front.costs)
+    return PassResult(out, True, _size_stats(gm, front.inputs) | {"costed": front.costs})
+
+
+def specialize_outputs(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: ``outputs_only_copy`` of the dynamic graph ``gm`` at ``ctx.inputs`` (a new graph
+    that is never run), or, when an output's size cannot be told from the inputs' sizes,
+    ``specialized_copy`` (``stats["outputs_only"]`` says which)."""
+    front = front_context(ctx, "specialize_outputs")
+    out = outputs_only_copy(gm, front.inputs)
+    outputs_only = out is not None
+    if out is None:
+        out = specialized_copy(gm, front.inputs)
+    return PassResult(out, True, _size_stats(gm, front.inputs) | {"outputs_only": outputs_only})
+
+
+def _size_stats(gm: torch.fx.GraphModule, inputs: list[Any]) -> dict[str, Any]:
+    """The size placeholders and the ints put in their place, as ``{"sizes": "s0=4"}``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {"sizes": " ".join(f"{placeholders[i].name}={int(inputs[i])}"
+                              for i in size_inputs(inputs) if i < len(placeholders)) or "none"}
+
+
+def specialized_copy(gm: torch.fx.GraphModule, inputs: list[Any],
+                     costs: bool = False) -> torch.fx.GraphModule:
     """A static copy of ``gm`` for the call whose (real) graph inputs are ``inputs``.
     ``costs``: also cost every node and keep what its run saw and gave
-    (``zeroc.passes.microbatch_shapes.SPECIALIZED_RUN``), which ``microbatch_graph`` reuses
-    for the nodes the passes leave as they are."""
+    (``zeroc.passes.microbatch_shapes.SPECIALIZED_RUN``), which ``shrink_to_microbatch``
+    reuses for the nodes the passes leave as they are."""
     out, _ = _static_copy(gm, inputs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
@@ -185,9 +218,9 @@ def _at_call_sizes(example: Any, bound: dict[Any, int]) -> Any:
     return None
 
 
-def specialize_outputs(gm: torch.fx.GraphModule,
-                       inputs: list[Any]) -> torch.fx.GraphModule | None:
-    """``specialize``'s static copy of ``gm`` without running it: its nodes carry no example
+def outputs_only_copy(gm: torch.fx.GraphModule,
+                      inputs: list[Any]) -> torch.fx.GraphModule | None:
+    """``specialized_copy``'s static copy of ``gm`` without running it: its nodes carry no example
     values but the outputs', each a meta tensor of the shape and dtype the dynamic graph's
     symbolic value has at the call's sizes (``meta[OUTPUTS_ONLY]`` says so). Enough to read
     the graph's structure and what it returns; None when an output's size cannot be told
@@ -222,7 +255,8 @@ def _batch_symbols(placeholders: list[torch.fx.Node], batch_inputs: set[int]) ->
 
 def microbatch_inputs(gm: torch.fx.GraphModule, inputs: list[Any], batch_inputs: set[int],
                       microbatch: int) -> list[Any] | None:
-    """The graph inputs of one micro-batch of the call ``inputs``, for ``specialize``.
+    """The graph inputs of one micro-batch of the call ``inputs``, for ``specialize``
+    (``FrontContext.inputs``).
 
     Batch inputs are cut to their first ``microbatch`` rows and the size inputs that stand
     for the batch dimension become ``microbatch``; other sizes keep the call's values. None

@@ -9,11 +9,11 @@ stage, those after the last block the last stage.
 Nodes traced outside any module that read a module's output (the loss, an embedding sum)
 run in the latest stage of their inputs.
 
-Balance. A unit costs its estimated time: FLOPs plus bytes moved times
-``FLOPS_PER_BYTE`` (so a memory-bound embedding weighs what it really costs, not zero). The
-cut points minimise the most expensive stage (a linear-partition dynamic program). The user
-can pin them: ``split_points=["model.layers.4", ...]`` names, by its full dotted name, the
-block that starts stage 1, 2, ...
+Balance (``zeroc.passes.stage_balance``). A unit costs its estimated time: FLOPs plus bytes
+moved times ``FLOPS_PER_BYTE`` (so a memory-bound embedding weighs what it really costs, not
+zero). The cut points minimise the most expensive stage (a linear-partition dynamic
+program). The user can pin them: ``split_points=["model.layers.4", ...]`` names, by its full
+dotted name, the block that starts stage 1, 2, ...
 
 Stage graphs. Values that read only placeholders (``zeroc.unshard`` gathers, rotary tables,
 positions, ``targets.view(-1)``) are recomputed in every stage that uses them, so they never
@@ -29,6 +29,14 @@ the Dynamo graph that nothing reads; the nodes between them are computed without
 Each stage graph re-emits the switches around the nodes it copies, so a value recomputed in
 another stage, or a region cut by a stage boundary, keeps the grad mode it was traced in
 (without them a parameter read only under ``no_grad`` would get a gradient eager never gives).
+
+The pass. ``split_stages(gm, ctx)`` (``run_passes``, with a
+``zeroc.passes.front_context.FrontContext``) cuts ``ctx.mgraph``, whose graph ``gm`` is, into
+``ctx.num_stages`` stages (``cut_stages``) and publishes the ``StageSplit`` as ``ctx.split``.
+The graph it returns is ``gm`` as the stages call one another, what
+``torch.fx.passes.split_module`` makes: the same inputs, one ``call_module`` of submodule
+``stage<k>`` (stage ``k``'s graph) per stage, each value taken from the stage that made it,
+and the last stage's outputs returned. Its text shows the cut.
 """
 
 from __future__ import annotations
@@ -42,12 +50,14 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from zeroc.passes.base import PassContext, PassResult, graph_module
+from zeroc.passes.front_context import PassOrderError, front_context, published
 from zeroc.passes.microbatch_shapes import MicrobatchGraph
-from zeroc.passes.stage_units import find_blocks
+from zeroc.passes.stage_balance import FLOPS_PER_BYTE, assign_stages
 from zeroc.runtime.torch_compat import SET_GRAD_ENABLED, tree_flatten
 
-# A nominal machine balance: one byte moved costs about as much time as this many FLOPs.
-FLOPS_PER_BYTE = 10
+__all__ = ["FLOPS_PER_BYTE", "StageSpec", "StageSplit", "cut_stages", "split_stages"]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,127 +91,58 @@ class StageSplit:
     unit_costs: tuple[tuple[str, float], ...]
 
 
-def _partition(costs: Sequence[float], parts: int) -> list[int]:
-    """Start indices of ``parts`` contiguous groups of ``costs`` minimising the largest sum."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    starts, i = [], n
-    for k in range(parts, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def _node_cost(mgraph: MicrobatchGraph, name: str) -> float:
-    estimate = mgraph.costs.get(name)
-    return 0.0 if estimate is None else estimate.flops + FLOPS_PER_BYTE * estimate.bytes
-
-
-def assign_stages(
-    mgraph: MicrobatchGraph, num_stages: int, split_points: Sequence[str] | None = None
-) -> tuple[dict[str, int], list[tuple[str, ...]], list[tuple[str, float]]]:
-    """Stage of every batch-dependent node, the units of each stage, and each unit's cost."""
-    # Anchored: traced in a module, or fed by such a node. Everything else reads only
-    # placeholders (batch inputs, parameters, buffers) and is recomputed where it is used.
-    layout = find_blocks([n for n in mgraph.gm.graph.nodes if n.name in mgraph.batch_dependent],
-                         lambda n: _node_cost(mgraph, n.name))
-    unit_of = layout.unit_of
-    anchored: set[str] = set()
-    for node in mgraph.gm.graph.nodes:
-        if node.op in ("placeholder", "output") or node.name not in mgraph.batch_dependent:
-            continue
-        if unit_of(node) is not None or any(a.name in anchored for a in node.all_input_nodes):
-            anchored.add(node.name)
-    nodes = [n for n in mgraph.gm.graph.nodes if n.name in anchored]
-    units: list[str] = []
-    position: dict[str, int] = {}
-    for node in nodes:
-        unit = unit_of(node)
-        if unit is not None:
-            if unit not in units:
-                units.append(unit)
-            position[node.name] = units.index(unit)
-        else:
-            position[node.name] = max((position.get(a.name, 0) for a in node.all_input_nodes),
-                                      default=0)
-    unit_cost = [0.0] * len(units)
-    for node in nodes:
-        if units:
-            unit_cost[position[node.name]] += _node_cost(mgraph, node.name)
-    blocks = [i for i, u in enumerate(units) if layout.is_block(u)] or list(range(len(units)))
-    if len(blocks) < num_stages:
-        raise ValueError(
-            f"zeroc pipeline: the model has {len(blocks)} layers "
-            f"({', '.join(units[i] for i in blocks) or 'none'}) but {num_stages} pipeline stages "
-            f"were asked for; every stage needs at least one layer: use at most {len(blocks)} "
-            "stages or a deeper model"
-        )
-    if split_points is not None:
-        starts = _pinned_starts(units, [units[i] for i in blocks], split_points, num_stages)
-    else:
-        # Segment i: block i plus the units up to the next block (and, for the first, before).
-        segment = [0.0] * len(blocks)
-        for u in range(len(units)):
-            owner = max([i for i, b in enumerate(blocks) if b <= u], default=0)
-            segment[owner] += unit_cost[u]
-        starts = [0] + [blocks[i] for i in _partition(segment, num_stages)[1:]]
-    stage_of_unit = [sum(1 for s in starts[1:] if s <= u) for u in range(len(units))]
-    stage: dict[str, int] = {}
-    for node in nodes:
-        own = stage_of_unit[position[node.name]] if units else 0
-        inputs = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
-        stage[node.name] = max([own, *inputs])
-    members = [tuple(u for u, s in zip(units, stage_of_unit, strict=True) if s == k)
-               for k in range(num_stages)]
-    return stage, members, list(zip(units, unit_cost, strict=True))
-
-
-def _pinned_starts(units: list[str], blocks: list[str], split_points: Sequence[str],
-                   num_stages: int) -> list[int]:
-    if len(split_points) != num_stages - 1:
-        raise ValueError(
-            f"zeroc pipeline: split_points={list(split_points)!r} names {len(split_points)} cut "
-            f"points; {num_stages} stages need {num_stages - 1} (the first unit of stages 1.."
-            f"{num_stages - 1})"
-        )
-    starts = [0]
-    for name in split_points:
-        if name not in blocks:
-            raise ValueError(
-                f"zeroc pipeline: split point {name!r} is not one of the model's blocks; give "
-                f"the full dotted name of a block that starts a stage: {_shorten(blocks)}"
-            )
-        if units.index(name) <= starts[-1]:
-            raise ValueError(
-                f"zeroc pipeline: split_points={list(split_points)!r} must name modules in "
-                "forward order, each after the previous one and after the first module"
-            )
-        starts.append(units.index(name))
-    return starts
-
-
-def _shorten(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} blocks)" if len(names) > limit else "")
-
-
 def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def split_stages(
+def split_stages(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Pass: ``cut_stages`` of ``ctx.mgraph`` (whose graph ``gm`` is) into ``ctx.num_stages``
+    stages at the config's ``split_points``; publishes ``ctx.split`` and returns ``gm`` as its
+    stages call one another (a new graph, see the module docstring)."""
+    front = front_context(ctx, "split_stages")
+    mgraph = published(front.mgraph, "ctx.mgraph", "microbatch_graph")
+    if mgraph.gm is not gm:  # stage graphs are cut from the values the micro-batch run saw
+        raise PassOrderError("zeroc: split_stages cuts the graph microbatch_graph made; a "
+                             "pass between them replaced it")
+    front.split = split = cut_stages(mgraph, front.num_stages, front.params,
+                                     ctx.config.split_points)
+    return PassResult(_stage_calls(gm, split), True, {
+        "stages": len(split.stages), "messages": sum(len(m) for m in split.messages),
+        "units": " | ".join(",".join(s.units) for s in split.stages)})
+
+
+def _stage_calls(gm: torch.fx.GraphModule, split: StageSplit) -> torch.fx.GraphModule:
+    """``gm`` as its stages call one another: ``gm``'s placeholders, one ``stage<k>`` call per
+    stage (its parameters, its local inputs, what it receives), each value a stage sends
+    taken out of its call by ``getitem`` under the value's name, and ``gm``'s outputs read
+    from the last stage's call."""
+    graph = torch.fx.Graph()
+    root = torch.nn.Module()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    sent: dict[str, torch.fx.Node] = {}
+    call = None
+    for spec in split.stages:
+        name = f"stage{spec.index}"
+        root.add_module(name, spec.gm)
+        args = [env[placeholders[i]] for i in (*spec.param_inputs, *spec.local_inputs)]
+        call = graph.call_module(name, (*args, *(sent[key] for key in spec.in_keys)))
+        for j, key in enumerate(spec.out_keys):
+            sent[key] = graph.create_node("call_function", operator.getitem, (call, j),
+                                          name=key)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = [a for a in tree_flatten(output.args[0])[0] if isinstance(a, torch.fx.Node)]
+    returned: dict[torch.fx.Node, torch.fx.Node] = {}
+    for j, result in enumerate(results):  # the last stage returns the model's outputs last
+        returned.setdefault(result, graph.call_function(
+            operator.getitem, (call, len(split.stages[-1].out_keys) + j)))
+    graph.output(torch.fx.node.map_arg(output.args[0], lambda n: returned[n]))
+    return graph_module(root, graph, "StageCalls")
+
+
+def cut_stages(
     mgraph: MicrobatchGraph,
     num_stages: int,
     param_inputs: set[int],

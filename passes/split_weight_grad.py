@@ -13,6 +13,10 @@ gradients of the other inputs (activations; ``None`` for inputs without one).
 Running I and then W computes exactly the backward's values: each node runs once, in one of
 the two graphs. Zero-bubble schedules run I as soon as the next stage needs the gradient and
 delay W to fill bubbles.
+
+``split_weight_grad`` is the Program pass (``zeroc.runtime.program``): every stage's backward
+graph gets its I and W graphs (``<stage>.input_grad``, ``<stage>.weight_grad``, placed right
+after the backward in the program's graphs); ``split_backward`` splits one graph.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import dataclasses
 import torch
 import torch.fx
 
+from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.program import Program, frozen_mapping
 from zeroc.runtime.torch_compat import tree_flatten
 
 
@@ -50,7 +56,7 @@ def _ancestors(roots: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
-def split_weight_grad(bw: torch.fx.GraphModule, num_weight_grads: int) -> BackwardSplit:
+def split_backward(bw: torch.fx.GraphModule, num_weight_grads: int) -> BackwardSplit:
     """Split ``bw`` (see the module docstring) into its I and W graphs."""
     output = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
     grads = list(tree_flatten(output.args[0])[0]) if isinstance(output.args[0], (tuple, list)) \
@@ -109,5 +115,31 @@ def weight_grad_nodes(split: BackwardSplit) -> list[str]:
             if n.op not in ("placeholder", "output")]
 
 
-__all__ = ["BackwardSplit", "split_weight_grad", "weight_grad_nodes"]
+def split_weight_grad(program: Program, ctx: PassContext) -> PassResult:
+    """Program pass: each stage's backward -> its I and W graphs (module docstring)."""
+    if program.schedule is None:  # pp = 1: autograd runs the whole backward
+        return PassResult(program, False)
+    splits = {}
+    for stage in program.stages:
+        backward = program.graphs[program.graph_name(stage.index, "backward")]
+        splits[stage.index] = split_backward(backward, len(stage.param_inputs))
+    graphs: dict[str, torch.fx.GraphModule] = {}
+    for name, graph in program.graphs.items():
+        graphs[name] = graph
+        for index, split in splits.items():
+            if name == program.graph_name(index, "backward"):
+                graphs[program.graph_name(index, "input_grad")] = split.input_grad
+                graphs[program.graph_name(index, "weight_grad")] = split.weight_grad
+    stages = tuple(dataclasses.replace(
+        stage, input_grad=splits[stage.index].input_grad,
+        weight_grad=splits[stage.index].weight_grad, w_inputs=splits[stage.index].w_inputs,
+        num_input_grads=splits[stage.index].num_input_grads) for stage in program.stages)
+    stats = {"stages": len(splits),
+             "i_nodes": sum(s.i_nodes for s in splits.values()),
+             "w_nodes": sum(s.w_nodes for s in splits.values()),
+             "stash": sum(s.num_stash for s in splits.values())}
+    return PassResult(dataclasses.replace(program, graphs=frozen_mapping(graphs),
+                                          stages=stages), bool(splits), stats)
 
+
+__all__ = ["BackwardSplit", "split_backward", "split_weight_grad", "weight_grad_nodes"]

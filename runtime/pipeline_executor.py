@@ -47,10 +47,10 @@ from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
 from zeroc.runtime.pipeline_inputs import check_same_shapes
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
-from zeroc.runtime.pipeline_program import PipelineLayout, StageProgram
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
 from zeroc.runtime.pipeline_zero import StepZero
 from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.program import PipelineLayout, Program, StageProgram
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
 
@@ -67,8 +67,13 @@ _STEP, _SYNC, _EXCHANGE = (PROFILE_PREFIX + n for n in (
 class PipelineExecutor:
     """Runs this rank's actions of a pipeline step; see the module docstring."""
 
-    def __init__(self, layout: PipelineLayout, stages: dict[int, StageProgram]) -> None:
-        self.layout = layout
+    def __init__(self, program: Program) -> None:
+        if program.pipeline is None:
+            raise ValueError(f"program {program.name} has no pipeline layout (pp = 1 runs "
+                             "its graphs through AOTAutograd, not a pipeline executor)")
+        self.program = program  # frozen: what this executor runs
+        self.layout: PipelineLayout = program.pipeline
+        layout, stages = self.layout, program.stage_map()
         self.stages, self.last_stage = stages, layout.schedule.num_stages - 1
         self.steps = 0
         self._clock: StepClock | None = None  # made at the first step, on its device

@@ -11,6 +11,8 @@ before.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from models.gpt import GPT, GPTConfig
@@ -69,15 +71,16 @@ def _graph_inputs(monkeypatch) -> dict[str, set[str]]:
 
     init = PipelineExecutor.__init__
 
-    def recording_stages(self, layout, stages) -> None:
-        for index, program in stages.items():
-            for kind in ("forward", "backward", "input_grad", "weight_grad"):
-                setattr(program, kind, RecordedStageGraph(getattr(program, kind),
-                                                          f"s{index}.{kind}", seen))
-            for b_stage, graph in list(program.overlapped.items()):
-                program.overlapped[b_stage] = RecordedStageGraph(graph, f"s{index}.fb{b_stage}",
-                                                                 seen)
-        init(self, layout, stages)
+    def recording_stages(self, program) -> None:
+        stages = []
+        for stage in program.stages:  # a frozen Program: its stages are replaced
+            index = stage.index
+            graphs = {kind: RecordedStageGraph(getattr(stage, kind), f"s{index}.{kind}", seen)
+                      for kind in ("forward", "backward", "input_grad", "weight_grad")}
+            overlapped = {b_stage: RecordedStageGraph(graph, f"s{index}.fb{b_stage}", seen)
+                          for b_stage, graph in stage.overlapped.items()}
+            stages.append(dataclasses.replace(stage, overlapped=overlapped, **graphs))
+        init(self, dataclasses.replace(program, stages=tuple(stages)))
 
     monkeypatch.setattr(GraphExecutor, "_run", recording)
     monkeypatch.setattr(PipelineExecutor, "__init__", recording_stages)

@@ -206,13 +206,13 @@ def test_the_total_of_two_scalar_losses_is_the_pipelines_loss() -> None:
     """Qwen3-MoE called with ``labels=`` returns ``.loss`` (cross-entropy plus a coefficient
     times the router's loss) and ``.aux_loss``: the pipeline trains on the one the other
     feeds into, wherever it sits; two unrelated scalars are refused."""
-    from zeroc.passes.loss_output import keep_loss_output
+    from zeroc.passes.loss_output import rewrite_to_loss
 
     gm = _traced(_with_aux)
-    assert keep_loss_output(gm, {0}).index == 0
+    assert rewrite_to_loss(gm, {0}).index == 0
     output = next(n for n in gm.graph.nodes if n.op == "output")
     assert output.args[0][0].target is operator.add
     swapped = _traced(lambda w, x: _with_aux(w, x)[::-1])
-    assert keep_loss_output(swapped, {0}).index == 1
+    assert rewrite_to_loss(swapped, {0}).index == 1
     with pytest.raises(ValueError, match="2 floating scalars that depend on the parameters"):
-        keep_loss_output(_traced(_unrelated), {0})
+        rewrite_to_loss(_traced(_unrelated), {0})

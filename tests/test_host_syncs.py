@@ -14,6 +14,7 @@ checks of the gathered rows) are tested on their own.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -82,11 +83,13 @@ def steady_syncs(monkeypatch, rank: int, world: int, pp: int, options: dict, zer
     ran: list[str] = []
     init = PipelineExecutor.__init__
 
-    def with_denominator(self, layout, stages) -> None:
+    def with_denominator(self, program) -> None:
+        layout = program.pipeline
         if layout.loss_kind == "token_mean" and layout.loss_denominator is None:
-            layout.loss_denominator = _count_targets(layout)
+            program = dataclasses.replace(program, pipeline=dataclasses.replace(
+                layout, loss_denominator=_count_targets(layout)))
             ran.append("device denominator")
-        init(self, layout, stages)
+        init(self, program)
 
     monkeypatch.setattr(PipelineExecutor, "__init__", with_denominator)
     from zeroc.runtime.executor import GraphExecutor

@@ -10,7 +10,7 @@ import torch.fx
 import torch.nn.functional as F
 
 import zeroc.runtime.linear_cross_entropy  # noqa: F401  (the op the pass also reads)
-from zeroc.passes.loss_normalization import LossReductionError, normalize_loss
+from zeroc.passes.loss_normalization import LossReductionError, loss_to_numerator
 
 
 class Positional(torch.nn.Module):
@@ -32,7 +32,7 @@ class Weighted(torch.nn.Module):
 def test_a_cross_entropy_mean_becomes_its_sum_over_a_token_count(module) -> None:
     logits, targets = torch.randn(6, 5), torch.tensor([0, 1, -1, 3, -1, 4])
     gm = torch.fx.symbolic_trace(module)
-    found = normalize_loss(gm, set(), None)
+    found = loss_to_numerator(gm, set(), None)
     assert found.kind == "token_mean"
     numerator = gm(logits, targets)
     count = found.denominator(logits, targets)
@@ -45,4 +45,4 @@ def test_a_cross_entropy_mean_becomes_its_sum_over_a_token_count(module) -> None
 def test_class_weights_are_refused_naming_why() -> None:
     gm = torch.fx.symbolic_trace(Weighted())
     with pytest.raises(LossReductionError, match="cross_entropy with class weights"):
-        normalize_loss(gm, set(), None)
+        loss_to_numerator(gm, set(), None)

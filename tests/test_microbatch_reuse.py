@@ -16,7 +16,6 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 import zeroc.passes.microbatch_shapes as microbatch_shapes
-import zeroc.pipeline.pipeline_front as pipeline_front
 import zeroc.world.plan_workers as plan_workers
 
 
@@ -42,7 +41,7 @@ def _inputs(name: str):
 def _plan(monkeypatch: pytest.MonkeyPatch, name: str, reuse: bool):
     """The plan at world 4, pp 2, and what each ``microbatch_graph`` call gave and ran."""
     calls = []
-    build = pipeline_front.microbatch_graph
+    build = microbatch_shapes.shrink_to_microbatch
 
     def spy(gm, *args, **kwargs):
         runs = []
@@ -65,7 +64,7 @@ def _plan(monkeypatch: pytest.MonkeyPatch, name: str, reuse: bool):
         return mgraph
 
     with monkeypatch.context() as patch:
-        patch.setattr(pipeline_front, "microbatch_graph", spy)
+        patch.setattr(microbatch_shapes, "shrink_to_microbatch", spy)
         patch.setattr(plan_workers, "planning_cores", lambda: 1)
         model = _llama() if name == "llama" else _gpt()
         plan = zeroc.explain(model, _inputs(name), world=4, pp=2, zero=3, device="cpu",

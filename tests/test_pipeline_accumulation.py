@@ -80,7 +80,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _executor(compiled):
     from zeroc.frontend.session import SESSION_ATTR, wrapper_of
 
-    return getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor
+    return getattr(wrapper_of(compiled), SESSION_ATTR).pipelined_executor()
 
 
 def _micro_steps(model, run, count: int, scaling: str, switch: str, dp: tuple[int, int],

@@ -90,7 +90,7 @@ def counting_job(rank: int, world: int, zero: int, reshard: bool) -> dict:
 def compiled_executor(compiled):
     from zeroc.frontend.session import SESSION_ATTR, wrapper_of
 
-    return getattr(wrapper_of(compiled), SESSION_ATTR).pipeline.executor
+    return getattr(wrapper_of(compiled), SESSION_ATTR).pipelined_executor()
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ must be the same plan either way, for every loss reduction the pipeline proves.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,8 @@ from test_pipeline_losses import IGNORE, WithLoss, batch
 from torch import nn
 
 import zeroc
-import zeroc.pipeline.pipeline_front as pipeline_front
-from zeroc.passes.specialize_shapes import OUTPUTS_ONLY, specialize, specialize_outputs
+import zeroc.passes.specialize_shapes as specialize_shapes
+from zeroc.passes.specialize_shapes import OUTPUTS_ONLY, outputs_only_copy, specialized_copy
 from zeroc.world import plan_workers
 
 
@@ -60,8 +62,8 @@ def test_outputs_have_specializes_shapes_and_nothing_else_has_a_value() -> None:
     x7, labels7 = torch.randn(7, 5, 8), torch.randint(0, 6, (7, 5))
     inputs = [x7 if v is x else labels7 if v is labels else 7 if isinstance(v, torch.SymInt)
               else v for v in symbolic]
-    full = specialize(gm, inputs)
-    quick = specialize_outputs(gm, inputs)
+    full = specialized_copy(gm, inputs)
+    quick = outputs_only_copy(gm, inputs)
     assert quick is not None and quick.meta[OUTPUTS_ONLY]
 
     def returned(graph):
@@ -96,16 +98,27 @@ def test_a_planned_world_is_the_same_with_the_full_batch_graph_run(
     copies = []
 
     def spy(gm, inputs):
-        copies.append(specialize_outputs(gm, inputs))
+        copies.append(outputs_only_copy(gm, inputs))
         return copies[-1]
 
-    monkeypatch.setattr(pipeline_front, "specialize_outputs", spy)
+    monkeypatch.setattr(specialize_shapes, "outputs_only_copy", spy)
     quick = _planned(kind)
     assert copies and all(c is not None for c in copies)  # the front took the quick copy
-    monkeypatch.setattr(pipeline_front, "specialize_outputs", lambda gm, inputs: None)
+    monkeypatch.setattr(specialize_shapes, "outputs_only_copy", lambda gm, inputs: None)
     full = _planned(kind)
-    assert quick.to_json() == full.to_json()
+    # The same plan but the rows of the full-batch graph's passes (``g0.front``), which
+    # record what ran: the quick copy skips the loss normalization's rewrite there.
+    assert [p.pass_name for p in full.passes_for("g0.front")] == [
+        "specialize_outputs", "keep_loss_output", "normalize_loss"]
+    assert [p.pass_name for p in quick.passes_for("g0.front")] == [
+        "specialize_outputs", "keep_loss_output"]
+    assert _without_front_rows(quick).to_json() == _without_front_rows(full).to_json()
     assert quick.memory and quick.collectives
+
+
+def _without_front_rows(plan: zeroc.Plan) -> zeroc.Plan:
+    return dataclasses.replace(plan, passes=tuple(p for p in plan.passes
+                                                  if p.graph != "g0.front"))
 
 
 def test_a_planned_loss_whose_reduction_cannot_be_proved_is_refused(monkeypatch) -> None:
@@ -125,8 +138,6 @@ def test_a_model_returning_its_logits_too_is_planned_with_full_batch_others() ->
 def test_repeated_nodes_are_costed_once_at_the_same_cost(monkeypatch) -> None:
     """``specialize(costs=True)`` meters a node once per target and argument metadata: the
     GPT's repeated blocks reuse the first block's costs, which equal metering every node."""
-    import zeroc.passes.specialize_shapes as specialize_shapes
-
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, d_model=32))
     tokens = torch.zeros(4, 16, dtype=torch.long)
     gm, symbolic = _dynamic_graph(model, tokens, tokens.clone())
@@ -145,10 +156,10 @@ def test_repeated_nodes_are_costed_once_at_the_same_cost(monkeypatch) -> None:
                 for n in graph.graph.nodes if specialize_shapes.SPECIALIZED_RUN in n.meta]
 
     monkeypatch.setattr(specialize_shapes, "CostMode", Counting)
-    reused = costs(specialize(gm, inputs, costs=True))
+    reused = costs(specialized_copy(gm, inputs, costs=True))
     reused_meters = len(metered)
     metered.clear()
     monkeypatch.setattr(specialize_shapes, "_cost_key", lambda *a: None)
-    every = costs(specialize(gm, inputs, costs=True))
+    every = costs(specialized_copy(gm, inputs, costs=True))
     assert reused == every and len(metered) == len(every)
     assert reused_meters < len(every) * 0.6  # blocks 2 and 3 reuse block 1's costs

@@ -15,10 +15,10 @@ from models.llama import Llama, LlamaConfig
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from zeroc.passes.microbatch_shapes import microbatch_graph
+from zeroc.passes.microbatch_shapes import shrink_to_microbatch
 from zeroc.passes.overlap_fb import interleave
-from zeroc.passes.split_stages import split_stages
-from zeroc.passes.split_weight_grad import split_weight_grad
+from zeroc.passes.split_stages import cut_stages
+from zeroc.passes.split_weight_grad import split_backward
 
 BATCH, MICRO = 4, 2
 
@@ -64,8 +64,8 @@ def run_stages(split, inputs, batch):
 def test_stage_graphs_compose_to_the_model(kind: str, stages: int) -> None:
     model = make(kind, 8)
     gm, inputs, params, batch, (x, y) = capture(model)
-    mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
-    split = split_stages(mgraph, stages, params)
+    mgraph = shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO)
+    split = cut_stages(mgraph, stages, params)
     assert len(split.stages) == stages
     assert all(any(u.startswith("layers.") for u in s.units) for s in split.stages)
     assert "tok_emb" in split.stages[0].units and "lm_head" in split.stages[-1].units
@@ -77,7 +77,7 @@ def test_stage_graphs_compose_to_the_model(kind: str, stages: int) -> None:
 
 def test_views_take_the_micro_batch_size() -> None:
     gm, inputs, params, batch, _ = capture(make("gpt", 2))
-    mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
+    mgraph = shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO)
     views = [n for n in mgraph.gm.graph.nodes if n.op == "call_method" and n.target == "view"]
     heads = [n.args[1:] for n in views if len(n.args) == 5]
     assert heads and all(sizes[0] == MICRO for sizes in heads)
@@ -87,7 +87,7 @@ def test_views_take_the_micro_batch_size() -> None:
 
 def test_balanced_split_weighs_embedding_and_head() -> None:
     gm, inputs, params, batch, _ = capture(make("gpt", 4))
-    split = split_stages(microbatch_graph(gm, inputs, batch, BATCH, MICRO), 2, params)
+    split = cut_stages(shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO), 2, params)
     costs = dict(split.unit_costs)
     assert costs["tok_emb"] > 0 and costs["lm_head"] > 0
     assert split.stages[0].units == ("tok_emb", "drop", "layers.0", "layers.1")
@@ -97,8 +97,8 @@ def test_balanced_split_weighs_embedding_and_head() -> None:
 
 def test_pinned_split_points() -> None:
     gm, inputs, params, batch, (x, y) = capture(make("llama", 4))
-    mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
-    split = split_stages(mgraph, 2, params, split_points=["layers.3"])
+    mgraph = shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO)
+    split = cut_stages(mgraph, 2, params, split_points=["layers.3"])
     assert split.stages[1].units == ("layers.3", "norm", "lm_head")
     torch.testing.assert_close(run_stages(split, inputs, batch),
                                make("llama", 4)(x[:MICRO], y[:MICRO]))
@@ -116,15 +116,15 @@ def test_pinned_split_points() -> None:
 def test_split_errors(stages: int, points, message: str) -> None:
     """A split point must be a block; the error lists the blocks found."""
     gm, inputs, params, batch, _ = capture(make("gpt", 2))
-    mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
+    mgraph = shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO)
     with pytest.raises(ValueError, match=message):
-        split_stages(mgraph, stages, params, points)
+        cut_stages(mgraph, stages, params, points)
 
 
 def stage_backward(kind: str):
     model = make(kind, 2)
     gm, inputs, params, batch, _ = capture(model)
-    split = split_stages(microbatch_graph(gm, inputs, batch, BATCH, MICRO), 2, params)
+    split = cut_stages(shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO), 2, params)
     spec = split.stages[1]
     shape, dtype, _ = split.values[spec.in_keys[0]]
     act = torch.randn(shape, dtype=dtype, requires_grad=True)
@@ -142,7 +142,7 @@ def test_weight_grad_split_reproduces_backward(kind: str) -> None:
     spec, _, bw, _, bw_args = stage_backward(kind)
     n_params = len(spec.param_inputs)
     full = bw(*bw_args)
-    parts = split_weight_grad(bw, n_params)
+    parts = split_backward(bw, n_params)
     i_outs = parts.input_grad(*bw_args)
     input_grads = i_outs[:parts.num_input_grads]
     stash = list(i_outs[parts.num_input_grads:])
@@ -196,15 +196,15 @@ class Wrapped(torch.nn.Module):
 def test_blocks_are_found_at_any_depth(kind: str) -> None:
     model = Wrapped(make(kind, 4))
     gm, inputs, params, batch, (x, y) = capture(model)
-    mgraph = microbatch_graph(gm, inputs, batch, BATCH, MICRO)
-    split = split_stages(mgraph, 4, params)
+    mgraph = shrink_to_microbatch(gm, inputs, batch, BATCH, MICRO)
+    split = cut_stages(mgraph, 4, params)
     assert [s.units[0] for s in split.stages[1:]] == [
         f"inner.body.layers.{i}" for i in (1, 2, 3)]
-    pinned = split_stages(mgraph, 2, params, split_points=["inner.body.layers.3"])
+    pinned = cut_stages(mgraph, 2, params, split_points=["inner.body.layers.3"])
     assert pinned.stages[1].units[0] == "inner.body.layers.3"
     expected = model(x[:MICRO], y[:MICRO])
     for result in (split, pinned):
         torch.testing.assert_close(run_stages(result, inputs, batch), expected)
     with pytest.raises(ValueError, match=r"'layers.3' is not one of the model's blocks; .*"
                                          r"inner.body.layers.0, inner.body.layers.1"):
-        split_stages(mgraph, 2, params, split_points=["layers.3"])
+        cut_stages(mgraph, 2, params, split_points=["layers.3"])

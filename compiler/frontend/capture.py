@@ -11,6 +11,7 @@ after the graph, ``torch.no_grad()`` takes the inference graph, and autograd cal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
@@ -19,23 +20,21 @@ from typing import Any
 import torch
 import torch.fx
 
-from zeroc.codegen.inductor_graphs import InductorGraph, inductor_decompositions, kernel_path
+from zeroc.codegen.inductor_graphs import inductor_decompositions
 from zeroc.frontend.config import Config
 from zeroc.frontend.grad_coverage import check_covered, differentiated_inputs
 from zeroc.frontend.log_setup import CompileProgress, decisions
 from zeroc.frontend.session import CompiledGraph, CompileSession
-from zeroc.passes.base import PassContext, count_nodes, graph_text, pass_infos, run_passes
+from zeroc.frontend.stage_compiler import StageCompiler
+from zeroc.passes.base import PassContext, count_nodes, pass_infos, run_passes
 from zeroc.passes.decompositions import decomposition_table
-from zeroc.passes.pipeline import DYNAMO_PASSES, JOINT_PASSES, graph_passes
-from zeroc.runtime.consistency import check_same_graph
-from zeroc.runtime.cost.cost import graph_info, peak_bytes, tensor_bytes
+from zeroc.passes.pipeline import DYNAMO_PASSES
+from zeroc.runtime.cost.cost import peak_bytes
 from zeroc.runtime.executor import GraphExecutor
 from zeroc.runtime.plan.records import ParamInfo
-from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.program import Program, StageProgram, frozen_mapping
 from zeroc.runtime.torch_compat import (
     aot_autograd,
-    default_partition,
-    min_cut_rematerialization_partition,
 )
 
 SOURCE_NAME_META = "zeroc_source_name"
@@ -118,23 +117,18 @@ def compile_dynamo_graph(
     # What eager's backward would reach, read before any zeroc pass can change the graph.
     expected, param_names = _trainable(gm, example_inputs)
     gm = run_dynamo_passes(gm, config, record, device)
+    compiler = StageCompiler(config, record, prefix, device, input_names,
+                             zero_stage_hint=layout.zero if layout is not None else None)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        name = f"{prefix}.joint"
-        ctx = PassContext(config=config, graph_name=name, kind="joint", device=device)
-        joint, pass_records = run_passes(joint, ctx, JOINT_PASSES, record=config.record_graphs)
-        record.passes.extend(pass_infos(pass_records))
-        record.joint = graph_info(joint, name, "joint", graph_text(joint))
+        joint = compiler.joint(joint, keep_graph=True)
         record.num_fwd_outputs = num_fwd_outputs
         _check_joint_gradients(joint, num_fwd_outputs, expected, param_names, prefix)
-        if config.partitioner == "min_cut":
-            return min_cut_rematerialization_partition(
-                joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        kwargs.pop("compiler", None)
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        return compiler.partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                  **kwargs)
 
-    path = kernel_path(config.kernels, device)
+    path = compiler.path
 
     def make_compiler(kind: str) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
         def compile_graph(graph: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
@@ -145,36 +139,10 @@ def compile_dynamo_graph(
             if kind == "backward":  # compiled on the first backward: timed from here
                 progress.lap()
             progress.step("the %s, %s", kind, position)
-            zero, zero_group = _zero_markers(graph)
-            if zero_group:
-                record.zero = layout.zero if layout is not None else max(record.zero, zero)
-                record.zero_group = zero_group
-            ctx = PassContext(config=config, graph_name=name, kind=kind, device=device,
-                              extras={"input_names": input_names, "zero_group": zero_group})
-            graph, pass_records = run_passes(graph, ctx, graph_passes(path),
-                                             record=config.record_graphs)
-            text = graph_text(graph)
-            group_name = ctx.extras.get("zero_group", "")
-            if group_name:
-                check_same_graph(name, text, group_name, device)
-            record.graphs.append(graph_info(graph, name, kind, text))
-            record.kernels.extend(ctx.kernels)
-            record.collectives.extend(ctx.collectives)
-            infos = pass_infos(pass_records)
-            record.passes.extend(infos)
+            graph, infos = compiler.graph(graph, kind)
             record.transient_bytes = max(record.transient_bytes,
                                          peak_bytes(graph, include_inputs=False))
-            if kind == "forward":
-                record.saved_bytes = _saved_bytes(graph, record.num_fwd_outputs)
-            run_boxed = None
-            # Planning on fake tensors runs the graphs themselves: compiled code needs values.
-            if path == "inductor" and not PLANNING.simulated:
-                compiled = InductorGraph(graph, name, list(inputs), config.kernel_autotune)
-                record.kernels.extend(compiled.kernels)
-                record.output_code[name] = compiled.source_code
-                if not compiled.collectives_kept:
-                    record.collectives_moved.append(name)
-                run_boxed = compiled.run_boxed
+            run_boxed = compiler.kernels(graph, name, list(inputs))
             if log.isEnabledFor(logging.INFO):
                 # The forward's line also says what the Dynamo and joint passes decided.
                 earlier = (f"{prefix}.dynamo", f"{prefix}.joint") if kind != "backward" else ()
@@ -183,7 +151,10 @@ def compile_dynamo_graph(
                          progress.lap(), position, path, count_nodes(graph),
                          decisions(done))
             _release_metadata(graph)
-            return GraphExecutor(graph, name, run_boxed)
+            executor = GraphExecutor(graph, name, run_boxed)
+            session.set_program(_with_graph(session.programs.get(prefix), prefix, kind, graph,
+                                            executor, layout))
+            return executor
 
         return compile_graph
 
@@ -235,27 +206,19 @@ def _release_metadata(graph: torch.fx.GraphModule) -> None:
         node.meta = {}
 
 
-def _zero_markers(graph: torch.fx.GraphModule) -> tuple[int, str]:
-    """The ZeRO stage and data-parallel group of a graph's markers; ``(-1, "")`` if none."""
-    found = []
-    for node in graph.graph.nodes:
-        if node.target is torch.ops.zeroc.unshard.default:
-            found.append((node.args[4], node.args[3]))
-        elif node.target is torch.ops.zeroc.reduce_grad.default:
-            found.append((node.args[3], node.args[2]))
-    if not found:
-        return -1, ""
-    return max(stage for stage, _ in found), found[0][1]
+def _with_graph(program: Program | None, prefix: str, kind: str, graph: torch.fx.GraphModule,
+                executor: GraphExecutor, layout: Any) -> Program:
+    """The pp = 1 Program of ``prefix`` with its ``kind`` graph compiled: a new frozen Program
+    (one stage, whose schedule is autograd's: ``schedule=None``)."""
+    if program is None:
+        program = Program(name=prefix, graphs=frozen_mapping(),
+                          stages=(StageProgram(index=0, forward=None, backward=None),),
+                          zero=layout)
+    stage = dataclasses.replace(program.stages[0], **{kind: executor})
+    return program.with_graph(f"{prefix}.{kind}", graph, stage)
 
 
 def _input_names(gm: torch.fx.GraphModule) -> dict[str, str]:
     """AOTAutograd names the i-th flat input ``primals_{i}``: map those to readable names."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return {f"primals_{i + 1}": source_name(n) for i, n in enumerate(placeholders)}
-
-
-def _saved_bytes(forward: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Bytes the forward saves for the backward (its outputs after the user-visible ones)."""
-    output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
-    saved = output.args[0][num_fwd_outputs:]
-    return sum(tensor_bytes(n.meta.get("val")) for n in saved if isinstance(n, torch.fx.Node))

@@ -29,6 +29,7 @@ from typing import Any
 
 from zeroc.frontend.config import Config
 from zeroc.runtime.plan.records import CollectiveInfo, GraphInfo, KernelInfo, ParamInfo, PassInfo
+from zeroc.runtime.program import Program
 
 SESSION_ATTR = "_zeroc_session"
 _CHAIN = "_torchdynamo_orig_backend"
@@ -60,16 +61,47 @@ class CompiledGraph:
 
 @dataclasses.dataclass
 class CompileSession:
-    """All graphs compiled under one ``torch.compile`` call, with the Config they used."""
+    """All graphs compiled under one ``torch.compile`` call, with the Config they used.
+
+    ``records`` are the build records of the plan (graphs, passes, kernels, collectives);
+    ``programs`` the frozen ``Program`` each Dynamo graph runs, by its prefix (``g0``), as it
+    stands now: a Program is never changed, so a graph compiled later (pp = 1's backward, on
+    the first backward) gives a new Program in its place; ``executors`` what runs each
+    pipelined Program (its timings are what the plan shows as measured).
+    """
 
     config: Config
     records: list[CompiledGraph] = dataclasses.field(default_factory=list)
+    programs: dict[str, Program] = dataclasses.field(default_factory=dict)
+    executors: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def next_graph_index(self) -> int:
         return len(self.records)
 
     def add(self, record: CompiledGraph) -> None:
         self.records.append(record)
+
+    def set_program(self, program: Program, executor: Any = None) -> None:
+        """``program`` is what its Dynamo graph runs from now on (``executor`` runs it, for a
+        pipelined one)."""
+        self.programs[program.name] = program
+        if executor is not None:
+            self.executors[program.name] = executor
+
+    def add_graph(self, program_name: str, name: str, graph: Any) -> None:
+        """A graph of ``program_name`` compiled after its Program was built: a new Program
+        with it takes that Program's place."""
+        self.programs[program_name] = self.programs[program_name].with_graph(name, graph)
+
+    def pipelined(self) -> Program | None:
+        """The pipelined (pp > 1) Program of this session, if it compiled one (the latest)."""
+        return next((p for p in reversed(self.programs.values()) if p.schedule is not None),
+                    None)
+
+    def pipelined_executor(self) -> Any:
+        """What runs ``pipelined()`` (its ``PipelineExecutor``), or None."""
+        program = self.pipelined()
+        return None if program is None else self.executors.get(program.name)
 
 
 def _innermost(obj: Any) -> Any:

@@ -77,9 +77,9 @@ def session_of(compiled: Any) -> CompileSession:
             "nothing: Dynamo skips torch.nn's code there; use torch.compile(module))"
         )
     path, session = sessions[0]
-    if len(sessions) == 1 and (not path or getattr(session, "pipeline", None) is not None):
+    if len(sessions) == 1 and (not path or session.pipelined() is not None):
         return session  # a pipeline's records keep their names: its schedule refers to them
-    if len(sessions) > 1 and any(getattr(s, "pipeline", None) is not None for _, s in sessions):
+    if len(sessions) > 1 and any(s.pipelined() is not None for _, s in sessions):
         raise ValueError(
             f"zeroc.explain: a pipeline (pp > 1) is compiled as one region, but "
             f"{[p or '<root>' for p, _ in sessions]} were compiled separately; compile the "
@@ -238,7 +238,9 @@ def _step_collectives(layout: ZeroLayout) -> tuple[CollectiveInfo, ...]:
 
 
 def build_plan(session: CompileSession) -> Plan:
-    """Freeze a session's records into a Plan (one stage; a memory row per data-parallel rank).
+    """Freeze a session's records into a Plan (one stage; a memory row per data-parallel rank);
+    a pipelined session's stages, schedule and memory come from the Program that runs and what
+    its executor measured (``zeroc.pipeline.pipeline_plan``).
 
     Kernels are renamed ``<graph>.<name>`` so every name is unique in the plan; collectives
     get the mesh dimension their group belongs to; parameters their shape in the model.
@@ -246,8 +248,8 @@ def build_plan(session: CompileSession) -> Plan:
     zeroc_version, torch_version, triton_version = _versions()
     graphs = tuple(g for r in session.records for g in ([r.joint] if r.joint else []) + r.graphs)
     layout = next((r.layout for r in session.records if r.layout is not None), None)
-    pipeline = getattr(session, "pipeline", None)
-    mesh_layout = layout if layout is not None else getattr(pipeline, "layout", None)
+    pipeline = session.pipelined()  # the Program that runs (pp > 1), if any
+    mesh_layout = layout if layout is not None else getattr(pipeline, "zero", None)
     params = _with_full_shapes(_unique_params(session), mesh_layout)
     param_bytes = sum(p.bytes for p in params)
     forward_flops = sum(g.flops for g in graphs if g.kind in ("forward", "inference"))
@@ -297,5 +299,5 @@ def build_plan(session: CompileSession) -> Plan:
     if pipeline is not None:  # pp > 1: stages, schedule grid and measured step
         from zeroc.pipeline.pipeline_plan import pipeline_plan
 
-        plan = pipeline_plan(plan, pipeline)
+        plan = pipeline_plan(plan, pipeline, session.executors.get(pipeline.name))
     return plan

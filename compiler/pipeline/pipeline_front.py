@@ -7,6 +7,14 @@ the Dynamo graph's passes, the loss normalization, the parameter gathers taken o
 graph (ZeRO once per step), and the graph cut into stages at the micro-batch size.
 ``zeroc.pipeline.pipeline_capture`` then compiles the stages one position holds.
 
+Every transform of a graph here is a pass run by ``run_passes`` from the literal lists of
+``zeroc.passes.pipeline`` (``SPECIALIZE_PASSES`` ... ``STAGE_PASSES``) with a
+``zeroc.passes.front_context.FrontContext``, which carries what the passes read and what they
+publish (the loss output, the normalization, the hoisted gathers, the ``StageSplit``). Their
+records are the front's rows of the plan's pass table: ``<prefix>.front`` for the graph at
+the call's sizes, ``<prefix>.microbatch`` for the graph whose stages are compiled, and
+``<prefix>.dynamo`` for the Dynamo passes of the latter.
+
 Nothing here depends on which position compiles, apart from the name of the data-parallel
 group the hoisted gathers use. A planned world (``zeroc.explain(model, inputs, world=...)``)
 plans every position in one process from one Dynamo graph (``zeroc.world.plan_capture``), so it
@@ -19,33 +27,32 @@ stages) is not shared.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 
-import zeroc.codegen as zeroc_codegen
-import zeroc.passes as zeroc_passes
-import zeroc.runtime as zeroc_runtime
 from zeroc.frontend.capture import SOURCE_NAME_META, parameter_infos, run_dynamo_passes, source_name
 from zeroc.frontend.config import Config
 from zeroc.frontend.grad_coverage import differentiated_inputs
 from zeroc.frontend.session import CompiledGraph
-from zeroc.passes.hoist_unshard import HoistedParam, hoist_unshards
-from zeroc.passes.loss_normalization import normalize_loss
-from zeroc.passes.loss_output import LossOutput, keep_loss_output
-from zeroc.passes.microbatch_shapes import microbatch_graph
-from zeroc.passes.schedule import build_schedule
-from zeroc.passes.specialize_shapes import (
-    OUTPUTS_ONLY,
-    microbatch_inputs,
-    specialize,
-    specialize_outputs,
+from zeroc.passes.base import pass_infos, run_passes
+from zeroc.passes.front_context import FrontContext
+from zeroc.passes.hoist_unshard import HoistedParam
+from zeroc.passes.loss_output import LossOutput
+from zeroc.passes.pipeline import (
+    HOIST_PASSES,
+    LOSS_PASSES,
+    NORMALIZE_PASSES,
+    SPECIALIZE_OUTPUTS_PASSES,
+    SPECIALIZE_PASSES,
+    STAGE_PASSES,
 )
-from zeroc.passes.split_stages import StageSplit, split_stages
+from zeroc.passes.schedule import build_schedule
+from zeroc.passes.specialize_shapes import OUTPUTS_ONLY, microbatch_inputs
+from zeroc.passes.split_stages import StageSplit
+from zeroc.pipeline.front_errors import check_one_graph, cut_failed
 from zeroc.pipeline.stage_trace import full_size_fakes
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.plan.records import ParamInfo, PassInfo
@@ -53,7 +60,6 @@ from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import (
     OpOverload,
     OpOverloadPacket,
-    graph_break_reasons,
     tree_flatten,
 )
 from zeroc.runtime.zero_ops import ZeroLayout
@@ -136,90 +142,6 @@ def _batch_inputs(gm: torch.fx.GraphModule, inputs: list[Any], params: set[int],
     return batch, next(iter(sizes.values()))
 
 
-def _cut_failed(error: Exception, gm: torch.fx.GraphModule, batch_inputs: set[int],
-                batch: int, microbatch: int) -> ValueError:
-    """The error for a graph that fails at the micro-batch size: name what was cut."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    cut = sorted(source_name(placeholders[i]) for i in batch_inputs)
-    return ValueError(
-        f"zeroc pipeline: the model fails on micro-batches of {microbatch} of its batch of "
-        f"{batch} ({type(error).__name__}: {str(error).strip().splitlines()[0]}). Every "
-        f"tensor input whose dimension 0 is the batch is cut into micro-batches: {cut}. If "
-        "one of them is not batch-shaped (a weight or a table that happens to have "
-        f"{batch} rows), pass it whole with options={{'unsplit_inputs': ['name']}}")
-
-
-# Frames of these files are zeroc's or torch's own, not the user's (a stack trace's outer
-# frames are the model's, its inner ones the library code the model called).
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (torch, zeroc_passes, zeroc_codegen, zeroc_runtime)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # compiler/
-
-
-def _user_frame(frames: list[tuple[str, int, str]]) -> str | None:
-    """``file, line N: code`` of the innermost frame outside zeroc and torch."""
-    for filename, line, code in reversed(frames):
-        if not os.path.abspath(filename).startswith(_LIBRARY_DIRS):
-            return f"{filename}, line {line}: {code}" if code else f"{filename}, line {line}"
-    return None
-
-
-def _where(node: torch.fx.Node | None) -> str | None:
-    """``file, line N: code`` of the user's source line that traced ``node``."""
-    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
-    lines = [line.strip() for line in trace.strip().splitlines()]
-    frames = []
-    for i, line in enumerate(lines):
-        match = re.match(r'File "([^"]+)", line (\d+)', line)
-        if match:
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith(
-                "File ") else ""
-            frames.append((match.group(1), int(match.group(2)), code))
-    return _user_frame(frames)
-
-
-def _break_reason(gm: torch.fx.GraphModule) -> str:
-    """Why Dynamo ended the graph, and the user's line it broke at. Dynamo leaves a
-    ``compile_subgraph_reason`` (reason text, user stack) on each graph it hands a backend;
-    when this graph ended without a break (Dynamo gave up on an outer frame and compiled an
-    inner one, such as an embedding's forward, on its own), the latest break it recorded."""
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is None or not getattr(reason, "graph_break", False):
-        recorded = graph_break_reasons() or [None]
-        reason = recorded[-1]
-    if reason is None:
-        return ""
-    stack = [(f.filename, f.lineno, (f.line or "").strip())
-             for f in getattr(reason, "user_stack", None) or ()]
-    where = _user_frame(stack)
-    first = str(getattr(reason, "reason", "")).strip().splitlines()
-    what = first[0] if first else "a graph break"
-    return f" Dynamo broke the graph at {where or 'an unknown line'}: {what}."
-
-
-def _check_one_graph(gm: torch.fx.GraphModule, layout: ZeroLayout, params: set[int],
-                     traced: torch.fx.GraphModule, inputs: list[Any]) -> None:
-    """A pipeline needs the whole forward as one graph; ``traced``: the graph as Dynamo handed
-    it over (it carries the break's reason)."""
-    if len(params) >= len(layout.params):
-        return
-    ops = [n for n in gm.graph.nodes if n.op.startswith("call")]
-    lines = [where for n in ops if (where := _where(n)) is not None]
-    names = sorted(name for i in params if (name := getattr(
-        getattr(inputs[i], "_zeroc_param", None), "param_name", None)))
-    reads = f" (it reads {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
-    raise ValueError(
-        f"zeroc pipeline: this graph uses {len(params)} of the model's {len(layout.params)} "
-        f"parameters{reads if names else ''}; with pp={layout.pp} the whole forward must be "
-        f"one graph. Dynamo split it"
-        f"{f': this graph runs from {lines[0]} to {lines[-1]}' if lines else ''}."
-        f"{_break_reason(traced)} "
-        "Remove what breaks the graph there (data-dependent Python control flow, .item(), "
-        "print; torch._dynamo.explain(model)(*inputs) names the reason) or the unused "
-        "parameters"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class PipelineFront:
     """What every pipeline position compiles from (see the module docstring)."""
@@ -231,7 +153,7 @@ class PipelineFront:
     microbatches: int
     schedule: Schedule
     param_infos: tuple[ParamInfo, ...]
-    passes: tuple[PassInfo, ...]  # the Dynamo graph's, named ``<prefix>.dynamo``
+    passes: tuple[PassInfo, ...]  # ``<prefix>.front``, ``.dynamo`` and ``.microbatch`` rows
     normalization: Any
     names: tuple[str, ...]  # every graph input's source name
     hoisted: dict[int, HoistedParam]
@@ -309,25 +231,40 @@ def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], c
         front = shared.get(key)
         if front is not None:
             return front.for_group(layout.dp_group_name)
+    specializing = SPECIALIZE_PASSES if gm is None else ()
     if gm is None and PLANNING.simulated:  # see _build: planning runs no full-batch graph
-        gm = specialize_outputs(dynamic_gm, example_inputs)
-    if gm is None:
-        gm = specialize(dynamic_gm, example_inputs)
-    front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm)
+        specializing = SPECIALIZE_OUTPUTS_PASSES
+    front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm, specializing)
     if key is not None and not _names_a_group(front.split):
         shared[key] = front
         shared[("pipeline_front_graph", id(source))] = source  # keeps the id unique
     return front
 
 
-def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
-           layout: ZeroLayout, prefix: str,
-           dynamic_gm: torch.fx.GraphModule | None) -> PipelineFront:
+def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,
+           layout: ZeroLayout, prefix: str, dynamic_gm: torch.fx.GraphModule | None,
+           specializing: tuple) -> PipelineFront:
+    """The front, its passes run by ``run_passes`` and recorded: ``<prefix>.front`` on the
+    graph at the call's sizes (``specializing`` makes it from ``dynamic_gm`` when ``gm`` is
+    None), ``<prefix>.microbatch`` on the graph whose stages are compiled, ``<prefix>.dynamo``
+    (``run_dynamo_passes``) on the latter between them."""
     params = {i for i, v in enumerate(example_inputs) if isinstance(v, nn.Parameter)}
-    _check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm,
-                     example_inputs)
-    loss_output = keep_loss_output(gm, params)
-    differentiated = _differentiated(gm, dynamic_gm, loss_output)
+    rows: list[PassInfo] = []  # the front's pass table, in the order the passes ran
+
+    def run(subject: torch.fx.GraphModule, ctx: FrontContext,
+            passes: tuple) -> torch.fx.GraphModule:
+        subject, records = run_passes(subject, ctx, passes, record=config.record_graphs)
+        rows.extend(pass_infos(records))
+        return subject
+
+    full = FrontContext(config=config, graph_name=f"{prefix}.front", kind="front",
+                        inputs=example_inputs, params=params)
+    if gm is None:
+        gm = run(dynamic_gm, full, specializing)
+    check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm,
+                    example_inputs)
+    gm = run(gm, full, LOSS_PASSES)
+    differentiated = _differentiated(gm, dynamic_gm, full.loss_output)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params, config.unsplit_inputs)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
@@ -349,8 +286,9 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     micro_inputs = None if dynamic_gm is None else microbatch_inputs(
         dynamic_gm, example_inputs, batch_inputs, microbatch)
     if micro_inputs is None and gm.meta.get(OUTPUTS_ONLY):  # the full-batch graph is needed
-        gm = specialize(dynamic_gm, example_inputs)
-        loss_output = keep_loss_output(gm, params)
+        rows.clear()  # the outputs-only copy is dropped, and the rows of its passes with it
+        gm = run(run(dynamic_gm, full, SPECIALIZE_PASSES), full, LOSS_PASSES)
+    loss_output = full.loss_output
     # Stage graphs are always traced for training (a no_grad call runs their forwards only).
     # The full-batch graph gets the passes too, even when the stages come from the
     # micro-batch graph: the loss normalization reads the loss as the passes leave it
@@ -359,41 +297,46 @@ def _build(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
     # (``zeroc.runtime.pipeline_sync``: there are no values) and reads only the
     # normalization's kind, which the micro-batch graph, the same nodes at other sizes, gives:
     # its full-batch graph is a copy that was never run (``specialize_outputs``).
-    normalization = None
+    # A full-batch graph that is not cut keeps its Dynamo passes' rows out of the table
+    # (``<prefix>.dynamo`` is the graph the stages come from).
     if not gm.meta.get(OUTPUTS_ONLY):
-        full = run_dynamo_passes(gm, config, record if micro_inputs is None else
-                                 CompiledGraph(prefix=prefix, params=()), device,
-                                 need_grad=True)
+        full_gm = run_dynamo_passes(gm, config, record if micro_inputs is None else
+                                    CompiledGraph(prefix=prefix, params=()), device,
+                                    need_grad=True)
+        rows.extend(record.passes)  # none when the graph is not cut
         # The loss becomes a sum per micro-batch; the step divides once by the whole
         # batch's denominator.
-        normalization = normalize_loss(full, params, config.loss_reduction)
+        full_gm = run(full_gm, full, NORMALIZE_PASSES)
     names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    cut = FrontContext(config=config, graph_name=f"{prefix}.microbatch", kind="front",
+                       params=params, names=names, batch_inputs=batch_inputs,
+                       microbatch=microbatch, num_stages=schedule.num_stages)
     if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
-        gm, size = full, batch
+        gm, cut.traced_batch = full_gm, batch
     else:  # traced at the micro-batch size: nothing to rewrite
+        cut.inputs, cut.costs, cut.traced_batch = micro_inputs, True, microbatch
         try:
-            specialized = specialize(dynamic_gm, micro_inputs, costs=True)
+            gm = run(dynamic_gm, cut, SPECIALIZE_PASSES)
         except RuntimeError as error:
-            raise _cut_failed(error, dynamic_gm, batch_inputs, batch, microbatch) from None
-        gm, size = specialized, microbatch
-        keep_loss_output(gm, params)
+            raise cut_failed(error, dynamic_gm, batch_inputs, batch, microbatch) from None
+        gm = run(gm, cut, LOSS_PASSES)
         gm = run_dynamo_passes(gm, config, record, device, need_grad=True)
-        micro = normalize_loss(gm, params, config.loss_reduction)
-        if normalization is None:
-            normalization = dataclasses.replace(micro, denominator=None)
+        rows.extend(record.passes)
+        gm = run(gm, cut, NORMALIZE_PASSES)
+    normalization = full.normalization or dataclasses.replace(cut.normalization,
+                                                              denominator=None)
     # ZeRO once per step: the stage graphs read and differentiate full parameters.
-    hoisted = {} if config.pp_reshard else hoist_unshards(gm, params, names)
+    gm = run(gm, cut, HOIST_PASSES)
+    cut.fake_inputs = full_size_fakes(example_inputs, cut.hoisted)
     try:
-        mgraph = microbatch_graph(gm, full_size_fakes(example_inputs, hoisted), batch_inputs,
-                                  size, microbatch)
+        run(gm, cut, STAGE_PASSES)
     except RuntimeError as error:
-        raise _cut_failed(error, gm, batch_inputs, batch, microbatch) from None
-    split = split_stages(mgraph, schedule.num_stages, params, config.split_points)
+        raise cut_failed(error, gm, batch_inputs, batch, microbatch) from None
     return PipelineFront(
         params=frozenset(params), loss_output=loss_output, batch_inputs=frozenset(batch_inputs),
         batch=batch, microbatches=microbatches, schedule=schedule, param_infos=record.params,
-        passes=tuple(record.passes),
-        normalization=normalization, names=tuple(names), hoisted=hoisted, split=split,
+        passes=tuple(rows),
+        normalization=normalization, names=tuple(names), hoisted=cut.hoisted, split=cut.split,
         dp_group_name=layout.dp_group_name, differentiated=differentiated)
 
 

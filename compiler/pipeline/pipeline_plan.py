@@ -1,8 +1,10 @@
 """The pipeline part of the Plan: per-stage records, the schedule grid, the measured step.
 
-``pipeline_plan(plan, record)`` is called by ``zeroc.explain`` for a session that compiled a
-pipelined model. It replaces the single-device stage row by one row per stage (modules,
-parameters, FLOPs and activation bytes per micro-batch from the split) and adds a
+``pipeline_plan(plan, program, executor)`` is called by ``zeroc.explain`` for a session that
+compiled a pipelined model: everything here is derived from the frozen ``Program`` that runs
+(``zeroc.runtime.program``) and what its executor measured. It replaces the single-device
+stage row by one row per stage (modules, parameters, FLOPs and activation bytes per
+micro-batch from the program's stage summaries) and adds a
 ``PipelineInfo``: the schedule drawn as a rank-by-time grid from the simulator with each
 stage's own costs, each rank's modelled and measured bubble ratio and its peak activations, and
 the last step's action timings for ``plan.chrome_trace``.
@@ -16,7 +18,6 @@ the unit of one column.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from zeroc.passes.split_stages import FLOPS_PER_BYTE
@@ -26,6 +27,7 @@ from zeroc.runtime.mesh import dp_ranks_of
 from zeroc.runtime.plan.plan import Plan
 from zeroc.runtime.plan.records import MemoryEstimate, PipelineInfo, StageInfo
 from zeroc.runtime.plan.schedule_grid import render_grid
+from zeroc.runtime.program import Program, StageSummary
 from zeroc.runtime.zero_ops import local_rows_for
 
 
@@ -58,9 +60,9 @@ def _measured_bubbles(labels: tuple[tuple[str, ...], ...],
     return tuple(ratios)
 
 
-def _modelled_costs(split: Any) -> tuple[tuple[float, float, float], ...]:
+def _modelled_costs(summaries: tuple[StageSummary, ...]) -> tuple[tuple[float, float, float], ...]:
     """(F, B, W) per stage from the cost model, in units of the cheapest forward."""
-    forward = [max(1.0, s.flops + FLOPS_PER_BYTE * s.bytes) for s in split.stages]
+    forward = [max(1.0, s.flops + FLOPS_PER_BYTE * s.bytes) for s in summaries]
     unit = min(forward)
     return tuple((f / unit, 2 * f / unit, f / unit) for f in forward)
 
@@ -93,14 +95,16 @@ def _measured_costs(labels: tuple[tuple[str, ...], ...],
     return tuple(costs)
 
 
-def pipeline_info(record: Any) -> PipelineInfo:
-    """Freeze a ``PipelineRecord`` (schedule, split, executor) into a ``PipelineInfo``."""
-    schedule, split = record.schedule, record.split
-    timings = record.executor.timings
+def pipeline_info(program: Program, executor: Any) -> PipelineInfo:
+    """The ``PipelineInfo`` of a pipelined ``program`` (its compute schedule and stage
+    summaries) and the timings ``executor`` (what runs it, or None) measured."""
+    schedule, summaries = program.schedule, program.summaries
+    assert schedule is not None, "a pipelined Program has a schedule"
+    timings = executor.timings if executor is not None else None
     labels = timings.labels if timings is not None else ()
     times = timings.times if timings is not None else ()
     measured = _measured_costs(labels, times, schedule.num_stages) if labels else None
-    stage_costs = measured or _modelled_costs(split)
+    stage_costs = measured or _modelled_costs(summaries)
     timeline = simulate(schedule, ActionCosts(stages=stage_costs))
     # About 100 columns at most: a column is the shortest action or 1% of the step.
     durations = [t.end - t.start for rank in timeline.ranks for t in rank if t.end > t.start]
@@ -114,7 +118,7 @@ def pipeline_info(record: Any) -> PipelineInfo:
               + ", B = 2F, W = F")
     legend += ("\nbubble (model): idle share of the simulated step with these costs; bubble "
                "(measured): idle share\nof the last real step, p2p waits included")
-    per_stage = {s.index: s.activation_bytes for s in split.stages}
+    per_stage = {s.index: s.activation_bytes for s in summaries}
     peak_bytes = []
     for rank in range(schedule.num_ranks):
         stages = [s for s, ranks in enumerate(schedule.placement) if rank in ranks]
@@ -140,9 +144,7 @@ def pipeline_info(record: Any) -> PipelineInfo:
         stage_costs=stage_costs,
         grid_time_unit=unit,
         grid_legend=legend,
-        message_bytes=tuple(
-            sum(math.prod(split.values[k][0]) * split.values[k][1].itemsize
-                for k in split.messages[s]) for s in range(schedule.num_stages - 1)),
+        message_bytes=tuple(s.message_bytes for s in summaries[:-1]),
     )
 
 
@@ -156,15 +158,16 @@ def _moved_per_step(plan: Plan, microbatches: int) -> int:
     return once + microbatches * per_microbatch
 
 
-def _memory_per_rank(plan: Plan, record: Any, info: PipelineInfo) -> tuple[MemoryEstimate, ...]:
+def _memory_per_rank(plan: Plan, program: Program,
+                     info: PipelineInfo) -> tuple[MemoryEstimate, ...]:
     """One row per global rank: the parameters, gradients and optimizer state of the stages
     its pipeline position holds, its peak activations, and the bytes it moves (measured from
     this rank's collectives, scaled by parameter bytes for the other positions)."""
-    layout = record.layout
-    if not record.position_params:
+    layout = program.zero
+    if not program.position_params:
         return plan.memory
     mesh = layout.mesh
-    own = layout.held_bytes(ADAM_STATES, names=record.position_params[mesh.pp_index])
+    own = layout.held_bytes(ADAM_STATES, names=program.position_params[mesh.pp_index])
     moved = _moved_per_step(plan, info.num_microbatches)
     # A data-parallel index's bytes depend on it only through the rows it owns of each
     # sharded first dimension: indices that own the same rows hold the same bytes (all but
@@ -178,7 +181,7 @@ def _memory_per_rank(plan: Plan, record: Any, info: PipelineInfo) -> tuple[Memor
             held = counted.get(owned)
             if held is None:
                 held = counted[owned] = layout.held_bytes(
-                    ADAM_STATES, names=record.position_params[position], dp_index=dp_index)
+                    ADAM_STATES, names=program.position_params[position], dp_index=dp_index)
             activations = info.peak_activation_bytes[position]
             rows.append(MemoryEstimate(
                 rank=rank, params=held[0], grads=held[1], optimizer=held[2],
@@ -188,16 +191,16 @@ def _memory_per_rank(plan: Plan, record: Any, info: PipelineInfo) -> tuple[Memor
     return tuple(rows)
 
 
-def pipeline_plan(plan: Plan, record: Any) -> Plan:
+def pipeline_plan(plan: Plan, program: Program, executor: Any) -> Plan:
     """``plan`` with one stage row per pipeline stage, the pipeline section and a memory row
-    per rank."""
+    per rank, from the pipelined ``program`` and what ``executor`` measured."""
     stages = tuple(
-        StageInfo(index=s.index, modules=s.units, params=record.stage_params[s.index],
-                  param_bytes=record.stage_param_bytes[s.index], flops=s.flops,
-                  activation_bytes=s.activation_bytes,
-                  param_names=record.stage_param_names.get(s.index, ()))
-        for s in record.split.stages)
-    meta = dataclasses.replace(plan.meta, schedule=record.schedule.name)
-    info = pipeline_info(record)
+        StageInfo(index=s.index, modules=s.units, params=s.params, param_bytes=s.param_bytes,
+                  flops=s.flops, activation_bytes=s.activation_bytes,
+                  param_names=s.param_names)
+        for s in program.summaries)
+    assert program.schedule is not None, "a pipelined Program has a schedule"
+    meta = dataclasses.replace(plan.meta, schedule=program.schedule.name)
+    info = pipeline_info(program, executor)
     return dataclasses.replace(plan, meta=meta, stages=stages, pipeline=info,
-                               memory=_memory_per_rank(plan, record, info))
+                               memory=_memory_per_rank(plan, program, info))

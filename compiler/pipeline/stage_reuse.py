@@ -27,8 +27,8 @@ import torch.fx
 
 from zeroc.frontend.session import CompiledGraph
 from zeroc.passes.split_stages import StageSplit
-from zeroc.runtime.pipeline_program import StageProgram
 from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.program import StageProgram
 
 __all__ = ["StageTemplate", "counts", "find", "keep", "signature", "structure"]
 
@@ -142,4 +142,4 @@ def find(key: tuple[Any, ...] | None, split: StageSplit, index: int, record: Com
     return dataclasses.replace(
         template.program, index=index, param_inputs=spec.param_inputs,
         local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
-        num_model_outputs=spec.num_model_outputs, overlapped={}, inference=inference)
+        num_model_outputs=spec.num_model_outputs, inference=inference)

@@ -7,8 +7,10 @@ to rank there. So, for a world that is not here, the tuner first screens them al
 and plans in full only the best few. The screen models, per candidate:
 
 - **stages**: the forward ops cut into the schedule's stages (``pp``, or ``2 pp`` for the
-  V-shaped schedules) of equal forward time, in order; each stage's parameters are those its
-  ops read first, its saved bytes those its ops' outputs autograd keeps.
+  V-shaped schedules), in order, where the compiler's stage split cuts its units: the cut
+  that minimises the slowest stage's forward time (``zeroc.passes.stage_balance``'s
+  ``partition_costs``); each stage's parameters are those its ops read first, its saved
+  bytes those its ops' outputs autograd keeps.
 - **compute**: every op as a roofline on the profile (``estimate_compute_s``) at the
   micro-batch's rows, except elementwise ops, which a compiled graph fuses: each run of
   them is one kernel (one launch floor) that writes each op's output once; a stage's
@@ -44,6 +46,7 @@ import dataclasses
 from typing import Any
 
 from zeroc.passes.schedule import build_schedule
+from zeroc.passes.stage_balance import partition_costs
 from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s
 from zeroc.runtime.cost.simulate import ActionCosts, simulate
 from zeroc.tuning.tune_space import Candidate
@@ -69,6 +72,7 @@ class Screened:
 
 @dataclasses.dataclass(frozen=True)
 class _Stage:
+    end: int  # the forward op after the stage's last
     forward_s: float
     loss_recompute_s: float  # what the fused loss runs again, chunk by chunk
     saved: int
@@ -81,18 +85,13 @@ class _Stage:
 
 
 def _cut(times: list[float], stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` ranges of ``times`` with about equal sums, one per stage."""
-    total = sum(times) or 1.0
-    bounds, running, start = [], 0.0, 0
-    for index, value in enumerate(times):
-        running += value
-        if len(bounds) < stages - 1 and running >= total * (len(bounds) + 1) / stages:
-            bounds.append((start, index + 1))
-            start = index + 1
-    bounds.append((start, len(times)))
-    while len(bounds) < stages:  # fewer ops than stages: empty stages at the end
-        bounds.append((len(times), len(times)))
-    return bounds
+    """Contiguous ``[start, end)`` ranges of ``times``, one per stage, that minimise the
+    largest sum: the stage split's balance (``partition_costs``) on per-op times."""
+    if len(times) < stages:  # fewer ops than stages: one op each, empty stages at the end
+        return [(i, i + 1) for i in range(len(times))] + [(len(times), len(times))] * (
+            stages - len(times))
+    starts = partition_costs(times, stages)
+    return list(zip(starts, [*starts[1:], len(times)], strict=True))
 
 
 def _stages(profile: ModelProfile, times: list[float], count: int) -> list[_Stage]:
@@ -102,6 +101,7 @@ def _stages(profile: ModelProfile, times: list[float], count: int) -> list[_Stag
         ops: list[OpRecord] = list(profile.forward[start:end])
         op_s = times[start:end]
         found.append(_Stage(
+            end=end,
             forward_s=sum(op_s),
             loss_recompute_s=sum(t for t, op in zip(op_s, ops, strict=True)
                                  if logits and op.out_bytes * 2 >= logits),
@@ -167,14 +167,14 @@ def _times(ops: tuple[OpRecord, ...], scale: float, forward: bool, recompute: bo
 
 # Candidates differ mostly in ZeRO stage and options that leave the compute alone: the op
 # times and stage cuts of one profile are kept per (scale, recompute, stages, dtype, profile).
-_COSTED: dict[tuple[Any, ...], tuple[list[float], float, list[_Stage]]] = {}
+_COSTED: dict[tuple[Any, ...], tuple[float, list[_Stage]]] = {}
 _BACKWARD: dict[tuple[Any, ...], float] = {}
 _COSTED_FOR: list[Any] = [None]
 
 
 def _costed(profile: ModelProfile, scale: float, recompute: bool, stage_count: int,
-            dtype: str, hardware: Any) -> tuple[list[float], float, list[_Stage]]:
-    """(forward op seconds, backward/forward ratio, stages) of ``profile`` at ``scale``."""
+            dtype: str, hardware: Any) -> tuple[float, list[_Stage]]:
+    """(backward/forward ratio, stages) of ``profile`` at ``scale``."""
     if _COSTED_FOR[0] is not profile:
         _COSTED.clear()
         _BACKWARD.clear()
@@ -184,7 +184,7 @@ def _costed(profile: ModelProfile, scale: float, recompute: bool, stage_count: i
         times = _times(profile.forward, scale, True, recompute, dtype, hardware)
         backward = _costed_backward(profile, scale, dtype, hardware)
         ratio = backward / (sum(times) or 1e-12)
-        _COSTED[key] = (times, ratio, _stages(profile, times, stage_count))
+        _COSTED[key] = (ratio, _stages(profile, times, stage_count))
     return _COSTED[key]
 
 
@@ -207,7 +207,7 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
     scale = 1.0 / microbatches
 
     recompute = options.get("partitioner", "min_cut") == "min_cut"
-    times, ratio, stages = _costed(profile, scale, recompute, stage_count, dtype, hardware)
+    ratio, stages = _costed(profile, scale, recompute, stage_count, dtype, hardware)
     fused = bool(options.get("fused_loss", True))
     costs, saved = [], []
     for stage in stages:
@@ -221,8 +221,8 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
     inter_node = dp > hardware.devices_per_node
     schedule = build_schedule(schedule_name, pp, microbatches) if pp > 1 else None
     if schedule is not None:
-        message = int(max((profile.forward[max(0, end - 1)].out_bytes
-                           for _, end in _cut(times, stage_count)[:-1]), default=0) * scale)
+        message = int(max((profile.forward[max(0, stage.end - 1)].out_bytes
+                           for stage in stages[:-1]), default=0) * scale)
         p2p = estimate_collective_s("send", message, 2, hardware,
                                     dp >= hardware.devices_per_node)
         timeline = simulate(schedule, ActionCosts(stages=tuple(costs), p2p_latency=p2p))

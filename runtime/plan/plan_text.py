@@ -203,7 +203,17 @@ def _memory(plan: Plan, max_rows: int | None) -> str:
     return text
 
 
+# Graph-name suffixes a pipeline's pass rows use, explained when the table has them.
+_PIPELINE_SUFFIXES = (
+    (".front", "the pipeline's graph at the call's sizes"),
+    (".microbatch", "the graph at one micro-batch's sizes, cut into stages"),
+    (".program", "the pipeline program (its stages and schedule)"),
+)
+
+
 def _passes(plan: Plan, max_rows: int | None) -> str:
+    suffixes = "".join(f", {suffix} = {what}" for suffix, what in _PIPELINE_SUFFIXES
+                       if any(p.graph.endswith(suffix) for p in plan.passes))
     return table(
         "passes",
         [[p.graph, p.pass_name, f"{p.nodes_before} -> {p.nodes_after}",
@@ -211,8 +221,9 @@ def _passes(plan: Plan, max_rows: int | None) -> str:
         ["graph", "pass", "nodes", "stats"],
         "none", max_rows,
         "nodes = ops before -> after; .dynamo = the Dynamo graph, .joint = the joint graph "
-        "before the split; final graph texts: plan.graph(name).code; every pass's graph before "
-        "and after: options={'record_graphs': True}, then plan.passes_for(graph)[i].before")
+        f"before the split{suffixes}; final graph texts: plan.graph(name).code; every pass's "
+        "graph before and after: options={'record_graphs': True}, then "
+        "plan.passes_for(graph)[i].before")
 
 
 def render_plan(plan: Plan, max_rows: int | None = MAX_ROWS, all_options: bool = False) -> str:
