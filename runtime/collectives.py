@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime.mesh import resolve_group
-from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.mesh import is_fake_group, resolve_group
 
 functional = torch.ops._c10d_functional
 
@@ -48,11 +47,11 @@ def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device) -> 
     """Whether the group reduce-scatters tensors of ``device`` by an all-reduce (gloo).
 
     Planning with a fake process group, a CPU job is planned as it runs: on gloo."""
-    if PLANNING.simulated:
-        return torch.device(device).type == "cpu"
     group = resolve_group(group_name)
     if group is None:
         return False
+    if is_fake_group(group):  # planned: the CPU job's gloo
+        return torch.device(device).type == "cpu"
     try:
         backend = group._get_backend(torch.device(device))
     except (RuntimeError, ValueError):

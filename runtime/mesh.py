@@ -28,7 +28,6 @@ from torch.distributed import ProcessGroup
 
 from zeroc.runtime import shutdown
 from zeroc.runtime.nccl_devices import host_group
-from zeroc.runtime.planning_state import PLANNING
 
 __all__ = ["Mesh", "build_mesh", "group_device", "resolve_group"]
 
@@ -72,6 +71,13 @@ class Mesh:
         return resolve_group(self.pp_host_group_name)
 
 
+def is_fake_group(group: ProcessGroup | None) -> bool:
+    """Whether ``group`` belongs to a fake process group (``zeroc.world.fake_world``): one
+    program stands for every rank and no collective moves values. Read from the group itself,
+    so what runs on it needs no planning flag."""
+    return group is not None and dist.get_backend(group) == "fake"
+
+
 def resolve_group(group_name: str) -> ProcessGroup | None:
     """The process group registered under ``group_name``; ``None`` for the empty name."""
     if not group_name:
@@ -79,6 +85,21 @@ def resolve_group(group_name: str) -> ProcessGroup | None:
     from zeroc.runtime.torch_compat import resolve_process_group
 
     return resolve_process_group(group_name)
+
+
+# A fake default process group (``zeroc.world.fake_world``) -> the device its world is planned
+# on. Keyed by the group object, so an entry dies with its group and a later world (a new
+# group) never sees an earlier one's device.
+_PLANNED_DEVICES: weakref.WeakKeyDictionary[ProcessGroup, torch.device] = (
+    weakref.WeakKeyDictionary())
+
+
+def plan_group_on(device: torch.device) -> None:
+    """Record that the default process group, a fake one, stands for a world on ``device``."""
+    group = dist.group.WORLD
+    if not is_fake_group(group):
+        raise ValueError("plan_group_on: the default process group is not a fake one")
+    _PLANNED_DEVICES[group] = device
 
 
 def group_device() -> torch.device:
@@ -89,10 +110,14 @@ def group_device() -> torch.device:
     ``"cpu:gloo,cuda:nccl"``. CUDA (the current device, set from ``LOCAL_RANK`` by the
     launcher's script) when the group routes CUDA tensors to NCCL and this process sees a
     GPU; the CPU otherwise (gloo, or no process group). In a planned world
-    (``zeroc.world.fake_world``), the device it plans for."""
-    if PLANNING.device is not None:
-        return PLANNING.device
-    if not (dist.is_available() and dist.is_initialized()) or not torch.cuda.is_available():
+    (``zeroc.world.fake_world``), the device its fake group was made for (``plan_group_on``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    world_group = dist.group.WORLD
+    planned = _PLANNED_DEVICES.get(world_group) if world_group is not None else None
+    if planned is not None:
+        return planned
+    if not torch.cuda.is_available():
         return torch.device("cpu")
     get_config = getattr(dist, "get_backend_config", None)
     config = str(get_config()) if get_config is not None else str(dist.get_backend())

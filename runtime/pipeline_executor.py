@@ -49,10 +49,10 @@ from zeroc.runtime.pipeline_inputs import check_same_shapes
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
 from zeroc.runtime.pipeline_zero import StepZero
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.program import PipelineLayout, Program, StageProgram
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
+from zeroc.runtime.world import PlannedWorld, stage_runner
 
 __all__ = ["PP_SOURCE_ATTR", "PipelineExecutor", "PipelineLayout", "StageProgram", "StepTimings"]
 
@@ -67,11 +67,13 @@ _STEP, _SYNC, _EXCHANGE = (PROFILE_PREFIX + n for n in (
 class PipelineExecutor:
     """Runs this rank's actions of a pipeline step; see the module docstring."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, planned: PlannedWorld | None = None) -> None:
         if program.pipeline is None:
             raise ValueError(f"program {program.name} has no pipeline layout (pp = 1 runs "
                              "its graphs through AOTAutograd, not a pipeline executor)")
         self.program = program  # frozen: what this executor runs
+        # How stage graphs run, chosen once: replayed in a planned world, called otherwise.
+        self._runner = stage_runner(planned)
         self.layout: PipelineLayout = program.pipeline
         layout, stages = self.layout, program.stage_map()
         self.stages, self.last_stage = stages, layout.schedule.num_stages - 1
@@ -142,7 +144,7 @@ class PipelineExecutor:
         my_groups = self.groups[train][self.layout.position]
         plans = self.plans[train]
         if self._clock is None:
-            self._clock = StepClock(device, PLANNING.simulated)
+            self._clock = StepClock(device, self._runner.simulated)
         clock = self._clock
         marks: list[Any] = []  # per group: start, compute start (after waiting), end
         names = self.profile_names[train] if profiling() else None
@@ -259,7 +261,7 @@ class PipelineExecutor:
     def _forward(self, stage: int, microbatch: int) -> None:
         program = self.stages[stage]
         run = program.forward if self._train or program.inference is None else program.inference
-        outs = _run(run, *self.forward_args(stage, microbatch))
+        outs = self._runner.call(run, *self.forward_args(stage, microbatch))
         self.forward_results(stage, microbatch, tuple(outs))
 
     def _deliver(self, kind: str, stage: int, microbatch: int,
@@ -321,7 +323,7 @@ class PipelineExecutor:
                 continue
             held = self._grads.get(index)
             if held is not None:
-                if not (PLANNING.simulated and fake_replay.adds_nothing(held, grad)):
+                if not self._runner.adds_nothing(held, grad):
                     held.add_(grad)
                 continue
             if storages is None:
@@ -332,10 +334,10 @@ class PipelineExecutor:
         program = self.stages[stage]
         args = self.backward_args(stage, microbatch)
         if not split:
-            outs = tuple(_run(program.backward, *args))
+            outs = tuple(self._runner.call(program.backward, *args))
             self.backward_results(stage, microbatch, outs, (*args, *outs))
             return
-        outs = tuple(_run(program.input_grad, *args))
+        outs = tuple(self._runner.call(program.input_grad, *args))
         split_at = program.num_input_grads  # input gradients, then what W needs
         self._pending_w[(stage, microbatch)] = [*outs[split_at:],
                                                 *(args[j] for j in program.w_inputs)]
@@ -344,22 +346,17 @@ class PipelineExecutor:
     def _weight(self, stage: int, microbatch: int) -> None:
         program = self.stages[stage]
         args = self._pending_w.pop((stage, microbatch))
-        grads = tuple(_run(program.weight_grad, *args))
+        grads = tuple(self._runner.call(program.weight_grad, *args))
         self._accumulate(program, grads, (*args, *grads))
 
     def _overlapped(self, action: Action, graph: Callable[..., Any]) -> None:
         f_args = self.forward_args(action.stage, action.microbatch)
         b_args = self.backward_args(action.b_stage, action.b_microbatch)
-        outs = tuple(_run(graph, *f_args, *b_args))
+        outs = tuple(self._runner.call(graph, *f_args, *b_args))
         n_fwd = graph.num_forward_outputs
         self.forward_results(action.stage, action.microbatch, outs[:n_fwd])
         self.backward_results(action.b_stage, action.b_microbatch, outs[n_fwd:],
                               (*f_args, *b_args, *outs))
-
-
-def _run(graph: Callable[..., Any], *args: Any) -> Any:
-    """``graph(*args)``; on a planned step's fakes, replayed (``zeroc.runtime.fake_replay``)."""
-    return fake_replay.call(graph, *args) if PLANNING.simulated else graph(*args)
 
 
 def _storage_counts(values: tuple[Any, ...]) -> dict[int, int]:

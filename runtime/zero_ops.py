@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from zeroc.runtime.mesh import Mesh, resolve_group
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
+from zeroc.runtime.world import PlannedWorld
 
 __all__ = [
     "ZERO_STAGES",
@@ -345,6 +346,8 @@ class ZeroLayout:
     tuned_options: tuple[tuple[str, Any], ...] = ()
     tuned_from: str = ""
     tuned_inputs: tuple[tuple[int, ...], ...] = ()
+    # The world zeroc.world plans this layout for (fake tensors); None: a real run.
+    planned: PlannedWorld | None = None
 
     @property
     def dp_group_name(self) -> str:

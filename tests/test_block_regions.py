@@ -23,8 +23,7 @@ import zeroc.world.plan_capture as plan_capture
 from zeroc.frontend.block_regions import blocks_traced_once, inline_block_regions, repeated_blocks
 from zeroc.frontend.capture import source_name
 from zeroc.passes.stage_units import module_stack
-from zeroc.runtime.planning_state import PLANNING
-from zeroc.world.fake_world import _fake_inputs, fake_world, meta_copy
+from zeroc.world.fake_world import _fake_inputs, fake_world, meta_copy, planned_world
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
                                 reason="this torch has no nested compile regions")
@@ -62,8 +61,9 @@ def _trace(model: nn.Module, inputs, regions: bool, monkeypatch, edit=None):
 
     monkeypatch.setattr(plan_capture, "inline_block_regions", spy)
     with fake_world(0, 4, 2, "cpu"):
-        args, kwargs = _fake_inputs(inputs, PLANNING.device)
-        parallel = zeroc.parallelize(meta_copy(model), zero=3, pp=2)
+        planned = planned_world(0, 4, 2, "cpu")
+        args, kwargs = _fake_inputs(inputs, planned.device)
+        parallel = zeroc.parallelize(meta_copy(model), zero=3, pp=2, planned_world=planned)
         trace = plan_capture.SharedTrace()
         if regions:
             trace.trace(parallel, args, kwargs)

@@ -71,7 +71,7 @@ def _graph_inputs(monkeypatch) -> dict[str, set[str]]:
 
     init = PipelineExecutor.__init__
 
-    def recording_stages(self, program) -> None:
+    def recording_stages(self, program, planned=None) -> None:
         stages = []
         for stage in program.stages:  # a frozen Program: its stages are replaced
             index = stage.index
@@ -80,7 +80,7 @@ def _graph_inputs(monkeypatch) -> dict[str, set[str]]:
             overlapped = {b_stage: RecordedStageGraph(graph, f"s{index}.fb{b_stage}", seen)
                           for b_stage, graph in stage.overlapped.items()}
             stages.append(dataclasses.replace(stage, overlapped=overlapped, **graphs))
-        init(self, dataclasses.replace(program, stages=tuple(stages)))
+        init(self, dataclasses.replace(program, stages=tuple(stages)), planned)
 
     monkeypatch.setattr(GraphExecutor, "_run", recording)
     monkeypatch.setattr(PipelineExecutor, "__init__", recording_stages)

@@ -62,7 +62,9 @@ def _sharded(rank: int, world: int, pp: int, zero: int, device: str, dispatched:
             patch.setattr(PARALLELIZE, "active_fake_mode", lambda: None)
         replica = fake_world.meta_copy(_llama(3))
         with fake_world.fake_world(rank, world, pp, device):
-            model = zeroc.parallelize(replica, zero=zero, pp=pp)
+            model = zeroc.parallelize(
+                replica, zero=zero, pp=pp,
+                planned_world=fake_world.planned_world(rank, world, pp, device))
             rows = []
             for sharded in model.__dict__["_zeroc_state"].params:
                 flat, visible = sharded.flat, sharded.visible

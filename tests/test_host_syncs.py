@@ -29,7 +29,7 @@ import zeroc
 from zeroc.runtime import fake_replay, pipeline_sync, step_clock
 from zeroc.runtime.pipeline_executor import PipelineExecutor
 from zeroc.runtime.pipeline_sync import LossScale, StepSync, read_rows
-from zeroc.world.fake_world import fake_world, meta_copy
+from zeroc.world.fake_world import fake_world, meta_copy, planned_world
 from zeroc.world.host_syncs import count_host_syncs
 
 HERE = "test_host_syncs.py"
@@ -83,13 +83,13 @@ def steady_syncs(monkeypatch, rank: int, world: int, pp: int, options: dict, zer
     ran: list[str] = []
     init = PipelineExecutor.__init__
 
-    def with_denominator(self, program) -> None:
+    def with_denominator(self, program, planned=None) -> None:
         layout = program.pipeline
         if layout.loss_kind == "token_mean" and layout.loss_denominator is None:
             program = dataclasses.replace(program, pipeline=dataclasses.replace(
                 layout, loss_denominator=_count_targets(layout)))
             ran.append("device denominator")
-        init(self, program)
+        init(self, program, planned)
 
     monkeypatch.setattr(PipelineExecutor, "__init__", with_denominator)
     from zeroc.runtime.executor import GraphExecutor
@@ -103,7 +103,8 @@ def steady_syncs(monkeypatch, rank: int, world: int, pp: int, options: dict, zer
     counted = []
     with fake_world(rank, world, pp, "cuda"):
         tokens = torch.zeros(8, 16, dtype=torch.long, device="cuda")
-        parallel = zeroc.parallelize(model, zero=zero, pp=pp)
+        parallel = zeroc.parallelize(model, zero=zero, pp=pp,
+                                     planned_world=planned_world(rank, world, pp, "cuda"))
         optimizer = torch.optim.AdamW(parallel.parameters())
         compiled = torch.compile(parallel, backend="zeroc", options=options)
         for step in range(1, 6):

@@ -7,6 +7,7 @@
   the package's entry points (``zeroc/__init__.py``, ``zeroc/__main__.py``).
 - No import cycles between modules. Imports under ``if TYPE_CHECKING:`` are not imports.
 - ``compiler/`` holds subpackages only, besides the package's own three files.
+- ``docs/architecture.md`` names every module.
 """
 
 from __future__ import annotations
@@ -149,3 +150,14 @@ def test_compiler_holds_subpackages_only() -> None:
     loose = sorted(f for f in os.listdir(os.path.join(REPO, "compiler"))
                    if f.endswith(".py") and f not in ("__init__.py", "__main__.py", "errors.py"))
     assert not loose, loose
+
+
+def test_the_architecture_map_names_every_module() -> None:
+    """``docs/architecture.md`` names every module by its path (``compiler/world/fake_world``)."""
+    with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as doc:
+        text = doc.read()
+    missing = sorted(
+        path for path in (os.path.relpath(file, REPO)[:-3].replace(os.sep, "/")
+                          for file in _modules().values())
+        if not path.endswith("__init__") and f"`{path}`" not in text)
+    assert not missing, f"docs/architecture.md does not name: {missing}"

@@ -28,10 +28,9 @@ from zeroc.runtime.consistency import _compare, text_digest
 from zeroc.runtime.cost.calibration import _runs
 from zeroc.runtime.mesh import group_device
 from zeroc.runtime.nccl_devices import CollectiveDeviceError
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.tuning.calibrate import _agree
 from zeroc.tuning.tune import _agree_failed, _same_inputs
-from zeroc.world.fake_world import _fake_inputs, fake_world, loss_of, meta_copy
+from zeroc.world.fake_world import _fake_inputs, fake_world, loss_of, meta_copy, planned_world
 
 
 def _gpt() -> GPT:
@@ -48,8 +47,9 @@ def _rank_after_a_step(pp: int, zero: int, world: int = 4, rank: int = 0,
                        options: dict | None = None) -> Iterator[tuple]:
     """Global ``rank`` of a planned CUDA world after one training step: (model, loss)."""
     with fake_world(rank, world, pp, "cuda"):
-        args, kwargs = _fake_inputs(_batch(), PLANNING.device)
-        model = zeroc.parallelize(meta_copy(_gpt()), zero=zero, pp=pp)
+        planned = planned_world(rank, world, pp, "cuda")
+        args, kwargs = _fake_inputs(_batch(), planned.device)
+        model = zeroc.parallelize(meta_copy(_gpt()), zero=zero, pp=pp, planned_world=planned)
         compiled = torch.compile(model, backend="zeroc", options=dict(options or {}))
         optimizer = torch.optim.AdamW(model.parameters())
         loss = loss_of(compiled(*args, **kwargs))
@@ -115,7 +115,7 @@ def test_what_a_loop_calls_after_a_step_stays_on_the_device(pp: int) -> None:
         # program stands for every rank): its exchange, on the graph's device.
         _collectives_then_value_read(lambda: _compare("g0", "graph text", text_digest(
             "graph text"), dist.group.WORLD, group_device()))
-        x, y = _fake_inputs(_batch(), PLANNING.device)[0]
+        x, y = _fake_inputs(_batch(), torch.device("cuda", 0))[0]
         check = nccl_devices.active_check()
         before = check.checked
         _same_inputs((x.cpu(), y.cpu()))  # a user's CPU batch is moved, then broadcast
@@ -134,11 +134,12 @@ def _collectives_then_value_read(call) -> None:
 
 def test_a_cpu_batch_where_the_group_is_on_cuda_is_refused_naming_the_input() -> None:
     with fake_world(0, 2, 1, "cuda"):
-        model = zeroc.parallelize(meta_copy(_gpt()), zero=3)
+        model = zeroc.parallelize(meta_copy(_gpt()), zero=3,
+                                  planned_world=planned_world(0, 2, 1, "cuda"))
         compiled = torch.compile(model, backend="zeroc")
         x, y = _fake_inputs(_batch(), torch.device("cpu"))[0]
         with pytest.raises(ValueError, match=r"input idx is a tensor of shape \[8, 16\] "
                            r"on the CPU.*cuda:0"):
             compiled(x, y)
         with pytest.raises(ValueError, match=r"input targets= is a tensor of shape"):
-            compiled(_fake_inputs(_batch(), PLANNING.device)[0][0], targets=y)
+            compiled(_fake_inputs(_batch(), torch.device("cuda", 0))[0][0], targets=y)

@@ -9,8 +9,6 @@ graphs (names, kinds and code), passes, kernels, collectives, saved bytes and me
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from models.gpt import GPT, GPTConfig
@@ -57,8 +55,8 @@ def _plan(monkeypatch: pytest.MonkeyPatch, share: bool, options: dict) -> tuple[
         patch.setattr(world_plan, "plan_position", spy)
         patch.setattr(pipeline_capture, "aot_export_joint_simple", count)
         if not share:  # each position on its own, as a separate process would plan it
-            patch.setattr(world_plan, "SharedTrace", lambda: None)
-            patch.setattr(world_plan, "PLANNING", types.SimpleNamespace(shared=None))
+            patch.setattr(world_plan, "SharedTrace", lambda shared: None)
+            patch.setattr(world_plan, "SharedPlanning", lambda: None)
         tokens = torch.zeros(8, 16, dtype=torch.long)
         zeroc.explain(_model(), (tokens, tokens), world=8, pp=4, zero=3, device="cpu",
                       options=options)
@@ -100,7 +98,7 @@ def test_a_graph_break_is_reported_as_a_compile_reports_it(
     gives the pipeline's error, naming the break, exactly as planning without sharing."""
     with monkeypatch.context() as patch:
         if not share:
-            patch.setattr(world_plan, "SharedTrace", lambda: None)
+            patch.setattr(world_plan, "SharedTrace", lambda shared: None)
         with pytest.raises(ValueError, match=r"the whole forward must be one graph"):
             zeroc.explain(_BreaksTheGraph(), (torch.ones(4, 8),), world=2, pp=2, zero=0,
                           device="cpu", options={"schedule": "1f1b", "microbatches": 2})

@@ -118,7 +118,8 @@ def compile_dynamo_graph(
     expected, param_names = _trainable(gm, example_inputs)
     gm = run_dynamo_passes(gm, config, record, device)
     compiler = StageCompiler(config, record, prefix, device, input_names,
-                             zero_stage_hint=layout.zero if layout is not None else None)
+                             zero_stage_hint=layout.zero if layout is not None else None,
+                             planned=layout.planned if layout is not None else None)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

@@ -35,8 +35,8 @@ from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
 from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost.cost import graph_info, tensor_bytes
 from zeroc.runtime.plan.records import PassInfo
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import default_partition, min_cut_rematerialization_partition
+from zeroc.runtime.world import PlannedWorld
 
 __all__ = ["LazyInductorGraph", "StageCompiler", "zero_markers"]
 
@@ -112,6 +112,13 @@ class StageCompiler:
     # Called with (name, graph) for a graph compiled after its Program was built (pp > 1's
     # inference graphs, on the first no_grad call): the session's Program gains it.
     compiled_later: Callable[[str, torch.fx.GraphModule], None] | None = None
+    # The world zeroc.world plans (its ZeroLayout's ``planned``); None: a real run.
+    planned: PlannedWorld | None = None
+
+    @property
+    def timed(self) -> bool:
+        """Whether the graphs' calls are kept for a plan's step estimate (a planned world)."""
+        return self.planned is not None
 
     @property
     def path(self) -> str:
@@ -133,7 +140,7 @@ class StageCompiler:
         joint, _, _ = self._run(joint, "joint", JOINT_PASSES, {})
         if keep_graph:
             name = f"{self.name}.joint"
-            self.record.joint = graph_info(joint, name, "joint", graph_text(joint))
+            self.record.joint = graph_info(joint, name, "joint", graph_text(joint), self.timed)
         return joint
 
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
@@ -166,7 +173,7 @@ class StageCompiler:
         text = graph_text(graph)
         # The data-parallel ranks compiled it alike, or all of them raise.
         check_same_graph(name, text, group, self.device)
-        self.record.graphs.append(graph_info(graph, name, kind, text))
+        self.record.graphs.append(graph_info(graph, name, kind, text, self.timed))
         self.record.kernels.extend(ctx.kernels)
         self.record.collectives.extend(ctx.collectives)
         if kind == "forward":
@@ -175,7 +182,7 @@ class StageCompiler:
 
     def compiles_kernels(self) -> bool:
         """Whether this compiler's graphs run as Inductor code (not while planning on fakes)."""
-        return self.path == "inductor" and not PLANNING.simulated
+        return self.path == "inductor" and (self.planned is None or not self.planned.simulated)
 
     def kernels(self, graph: torch.fx.GraphModule, name: str,
                 inputs: list[Any] | None = None) -> Callable[..., Any] | None:

@@ -59,10 +59,10 @@ from zeroc.runtime.pipeline_executor import (
     PipelineExecutor,
     StageProgram,
 )
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import (
     aot_export_joint_simple,
 )
+from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.stage_holding import keep_only
 
@@ -146,7 +146,8 @@ def _compile_pipeline(
     prefix = f"g{session.next_graph_index()}"
     progress.what = prefix
     front = pipeline_front(gm, example_inputs, config, layout, prefix, dynamic_gm)
-    if PLANNING.front_only:  # a planned world built its shared front: nothing to compile
+    shared = layout.planned.shared if layout.planned is not None else None
+    if shared is not None and shared.front_only:  # the planned world's front: compile nothing
         raise FrontBuilt
     params, batch_inputs, batch = set(front.params), set(front.batch_inputs), front.batch
     microbatches, schedule, split = front.microbatches, front.schedule, front.split
@@ -177,7 +178,8 @@ def _compile_pipeline(
                       schedule.num_stages)
         programs[s] = _compile_stage(split, s, trace, batch_inputs, batch // microbatches,
                                      config, record, names, device,
-                                     functools.partial(session.add_graph, prefix))
+                                     functools.partial(session.add_graph, prefix),
+                                     layout.planned)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("zeroc: %s.s%d compiled in %.2f s: %s", prefix, s, progress.lap(),
                       decisions(p for p in record.passes if p.graph.startswith(f"{prefix}.s{s}.")))
@@ -217,10 +219,12 @@ def _compile_pipeline(
     program = pipeline_program(
         prefix, programs, schedule, pipeline, layout,
         stage_summaries(split, example_inputs, params, layout), position_params)
-    program = program_with_inductor(run_program_passes(program, config, record, device),
+    program = program_with_inductor(run_program_passes(program, config, record, device,
+                                                       layout.planned is not None),
                                     StageCompiler(config, record, prefix, device, {},
-                                                  zero_group=record.zero_group))
-    executor = PipelineExecutor(program)
+                                                  zero_group=record.zero_group,
+                                                  planned=layout.planned))
+    executor = PipelineExecutor(program, layout.planned)  # the planned world's replay
     step_buckets = []
     if executor.zero is not None:  # ZeRO once per step: the plan lists the step's buckets
         step_buckets = executor.zero.collectives(example_inputs, f"{prefix}.step")
@@ -256,18 +260,20 @@ def _example_args(split: StageSplit, index: int, trace: StageTrace, batch_inputs
 
 def _compile_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
                    microbatch: int, config: Config, record: CompiledGraph, names: list[str],
-                   device: torch.device, compiled_later: Callable[..., None]) -> StageProgram:
+                   device: torch.device, compiled_later: Callable[..., None],
+                   planned: PlannedWorld | None) -> StageProgram:
     """Stage ``index``'s graphs, traced on ``trace``'s fake tensors
     (``zeroc.pipeline.stage_trace``); ``compiled_later(name, graph)`` is told of its
     inference graph when the first ``no_grad`` call compiles it."""
     with trace.tracing():
         return _traced_stage(split, index, trace, batch_inputs, microbatch, config, record,
-                             names, device, compiled_later)
+                             names, device, compiled_later, planned)
 
 
 def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
                   microbatch: int, config: Config, record: CompiledGraph, names: list[str],
-                  device: torch.device, compiled_later: Callable[..., None]) -> StageProgram:
+                  device: torch.device, compiled_later: Callable[..., None],
+                  planned: PlannedWorld | None) -> StageProgram:
     """Stage ``index``'s joint graph from ``aot_export_joint_simple``, compiled by the one
     ``StageCompiler`` (joint passes, partition, graph passes, cross-rank check, records)."""
     spec = split.stages[index]
@@ -276,12 +282,14 @@ def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs
         spec.in_keys)
     compiler = StageCompiler(config, record, f"{record.prefix}.s{index}", device,
                              {f"primals_{i + 1}": n for i, n in enumerate(primal_names)},
-                             zero_group=record.zero_group, compiled_later=compiled_later)
+                             zero_group=record.zero_group, compiled_later=compiled_later,
+                             planned=planned)
+    shared = planned.shared if planned is not None else None  # the planned world's stages
     # Inductor lowers the graphs traced with its own decompositions (zeroc's kernels need none).
     decompositions = inductor_decompositions() if compiler.path == "inductor" else None
     inference = LazyInference(spec.gm, args, trace, compiler.inference_now, decompositions)
-    key = stage_reuse.signature(split, index, args) if PLANNING.shared is not None else None
-    reused = stage_reuse.find(key, split, index, record, inference)
+    key = stage_reuse.signature(split, index, args) if shared is not None else None
+    reused = stage_reuse.find(key, split, index, record, inference, shared)
     if reused is not None:
         return reused
     before = stage_reuse.counts(record)
@@ -305,5 +313,5 @@ def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs
         local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
         num_model_outputs=spec.num_model_outputs, tangent_outputs=tangent_outputs,
         inference=inference)
-    stage_reuse.keep(key, program, record, before)
+    stage_reuse.keep(key, program, record, before, shared)
     return program

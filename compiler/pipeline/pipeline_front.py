@@ -18,7 +18,7 @@ the call's sizes, ``<prefix>.microbatch`` for the graph whose stages are compile
 Nothing here depends on which position compiles, apart from the name of the data-parallel
 group the hoisted gathers use. A planned world (``zeroc.explain(model, inputs, world=...)``)
 plans every position in one process from one Dynamo graph (``zeroc.world.plan_capture``), so it
-keeps each front it made in ``PLANNING.shared`` and the next position takes it, with its own
+keeps each front it made in ``SharedPlanning.fronts`` and the next position takes it, with its own
 group name, instead of specializing, running the passes and splitting the same graph again.
 A front whose stage graphs still name a process group (``pp_reshard``: the gathers stay in the
 stages) is not shared.
@@ -56,12 +56,12 @@ from zeroc.pipeline.front_errors import check_one_graph, cut_failed
 from zeroc.pipeline.stage_trace import full_size_fakes
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.plan.records import ParamInfo, PassInfo
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import (
     OpOverload,
     OpOverloadPacket,
     tree_flatten,
 )
+from zeroc.runtime.world import SharedPlanning
 from zeroc.runtime.zero_ops import ZeroLayout
 
 __all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "FrontBuilt", "PipelineFront",
@@ -177,7 +177,7 @@ class PipelineFront:
 
 
 class FrontBuilt(Exception):  # noqa: N818 (a signal, not an error)
-    """Raised by the pipeline compiler under ``PLANNING.front_only`` once the front is made
+    """Raised by the pipeline compiler under ``SharedPlanning.front_only`` once the front is made
     and kept: a planned world builds what its positions share before planning any of them."""
 
 
@@ -199,18 +199,16 @@ def _names_a_group(split: StageSplit) -> bool:
     return False
 
 
-def front_is_shared(dynamic_gm: torch.fx.GraphModule) -> bool:
-    """Whether a position of this planned world kept a front of ``dynamic_gm`` (then the
-    graph is only a key: the front is taken with the asking position's group name)."""
-    shared = PLANNING.shared
-    return shared is not None and ("pipeline_front_graph", id(dynamic_gm)) in shared
+def front_is_shared(dynamic_gm: torch.fx.GraphModule, shared: SharedPlanning | None) -> bool:
+    """Whether a position of this planned world kept a front of ``dynamic_gm`` in ``shared``
+    (then the graph is only a key: the front is taken with the asking position's group name)."""
+    return shared is not None and id(dynamic_gm) in shared.front_graphs
 
 
-def shared_front() -> PipelineFront | None:
-    """The one pipeline front kept in ``PLANNING.shared`` while a world is planned, if there
-    is exactly one."""
-    shared = PLANNING.shared or {}
-    fronts = [v for k, v in shared.items() if isinstance(k, tuple) and k[0] == "pipeline_front"]
+def shared_front(shared: SharedPlanning) -> PipelineFront | None:
+    """The one pipeline front kept in ``shared`` while a world is planned, if there is
+    exactly one."""
+    fronts = list(shared.fronts.values())
     return fronts[0] if len(fronts) == 1 else None
 
 
@@ -218,26 +216,27 @@ def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], c
                    layout: ZeroLayout, prefix: str,
                    dynamic_gm: torch.fx.GraphModule | None = None) -> PipelineFront:
     """The front of ``gm`` (the graph at the call's sizes; None: ``dynamic_gm`` specialized
-    to them), taken from ``PLANNING.shared`` when a position of the same planned world made it
+    to them), taken from ``layout.planned.shared`` when a position of the same planned world made it
     already. ``dynamic_gm``: the same graph with a symbolic batch dimension, if Dynamo gave
     one: the stages are then traced from it at the micro-batch size; otherwise ``gm``'s
     batch-size constants are rewritten."""
-    shared = PLANNING.shared
+    planned = layout.planned
+    shared = planned.shared if planned is not None else None
     key = None
     if shared is not None and dynamic_gm is not None:
         sizes = tuple(int(v) for v in example_inputs if isinstance(v, (int, torch.SymInt)))
         source = dynamic_gm.meta.get(SHARED_TRACE_META, dynamic_gm)
-        key = ("pipeline_front", id(source), sizes, prefix, repr(config.to_dict()))
-        front = shared.get(key)
+        key = (id(source), sizes, prefix, repr(config.to_dict()))
+        front = shared.fronts.get(key)
         if front is not None:
             return front.for_group(layout.dp_group_name)
     specializing = SPECIALIZE_PASSES if gm is None else ()
-    if gm is None and PLANNING.simulated:  # see _build: planning runs no full-batch graph
+    if gm is None and planned is not None and planned.simulated:  # see _build: no full-batch graph
         specializing = SPECIALIZE_OUTPUTS_PASSES
     front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm, specializing)
     if key is not None and not _names_a_group(front.split):
-        shared[key] = front
-        shared[("pipeline_front_graph", id(source))] = source  # keeps the id unique
+        shared.fronts[key] = front
+        shared.front_graphs[id(source)] = source  # keeps the id unique
     return front
 
 

@@ -120,9 +120,10 @@ def compute_layout(schedule: Schedule, **fields: Any) -> PipelineLayout:
 
 
 def run_program_passes(program: Program, config: Config, record: CompiledGraph,
-                       device: torch.device) -> Program:
+                       device: torch.device, timed: bool = False) -> Program:
     """``PROGRAM_PASSES`` over ``program``, recorded as ``<prefix>.program`` in ``record``;
-    the graphs they add that the plan lists are recorded in the program's order."""
+    the graphs they add that the plan lists are recorded in the program's order (``timed``:
+    with their calls, for a planned world's step estimate)."""
     ctx = PassContext(config=config, graph_name=f"{program.name}.program", kind="program",
                       device=device)
     program, records = run_passes(program, ctx, PROGRAM_PASSES,
@@ -132,7 +133,7 @@ def run_program_passes(program: Program, config: Config, record: CompiledGraph,
     for name, graph in program.graphs.items():
         kind = name.rpartition(".")[2]
         if kind in _LISTED_KINDS and name not in listed:
-            listed[name] = graph_info(graph, name, kind, graph_text(graph))
+            listed[name] = graph_info(graph, name, kind, graph_text(graph), timed)
     order = {name: i for i, name in enumerate(program.graphs)}
     record.graphs[:] = sorted(listed.values(), key=lambda g: order.get(g.name, len(order)))
     return program

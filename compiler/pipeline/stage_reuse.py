@@ -5,8 +5,9 @@ only in which parameters and messages they read: the same ops on the same shapes
 order. ``zeroc.explain(model, inputs, world=...)`` compiles every position's stages in one
 process; compiling such a stage (AOTAutograd's joint graph, the passes, the partition, the
 I/W split) takes seconds each time and gives the same graphs. So, while a world is planned
-(``PLANNING.shared`` is set), a compiled stage is kept under its ``signature`` and a later
-stage of the same signature takes its graphs, with its own index, inputs and message keys;
+(a ``SharedPlanning`` holder is given: ``PlannedWorld.shared`` on the layout), a compiled
+stage is kept under its ``signature`` and a later stage of the same signature takes its
+graphs, with its own index, inputs and message keys;
 the plan's records of the graphs (graphs, passes, kernels, collectives) are copied under the
 new stage's names.
 
@@ -27,8 +28,8 @@ import torch.fx
 
 from zeroc.frontend.session import CompiledGraph
 from zeroc.passes.split_stages import StageSplit
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.program import StageProgram
+from zeroc.runtime.world import SharedPlanning
 
 __all__ = ["StageTemplate", "counts", "find", "keep", "signature", "structure"]
 
@@ -101,16 +102,15 @@ def counts(record: CompiledGraph) -> tuple[int, int, int, int, int]:
 
 
 def keep(key: tuple[Any, ...] | None, program: StageProgram, record: CompiledGraph,
-         before: tuple[int, int, int, int, int]) -> None:
+         before: tuple[int, int, int, int, int], shared: SharedPlanning | None) -> None:
     """Keep ``program`` (compiled into ``record`` since ``before = counts(record)``) for
-    later stages of signature ``key``, while a world is planned."""
-    shared = PLANNING.shared
-    if shared is None or key is None or ("stage", key) in shared:
+    later stages of signature ``key`` in ``shared``, the holder of the world planned."""
+    if shared is None or key is None or key in shared.stages:
         return
     graphs, passes, kernels, collectives, saved = before
     if len(record.collectives) > collectives:  # a stage graph with a collective: not shared
         return
-    shared[("stage", key)] = StageTemplate(
+    shared.stages[key] = StageTemplate(
         program=program, prefix=f"{record.prefix}.s{program.index}.",
         graphs=tuple(record.graphs[graphs:]), passes=tuple(record.passes[passes:]),
         kernels=tuple(record.kernels[kernels:]), collectives=(),
@@ -126,11 +126,10 @@ def _renamed(info: Any, old: str, new: str) -> Any:
 
 
 def find(key: tuple[Any, ...] | None, split: StageSplit, index: int, record: CompiledGraph,
-         inference: Any) -> StageProgram | None:
-    """Stage ``index``'s program from a kept stage of the same signature (its records added
-    to ``record`` under the stage's names), or None if there is none."""
-    shared = PLANNING.shared
-    template = None if shared is None or key is None else shared.get(("stage", key))
+         inference: Any, shared: SharedPlanning | None) -> StageProgram | None:
+    """Stage ``index``'s program from a stage of the same signature kept in ``shared`` (its
+    records added to ``record`` under the stage's names), or None if there is none."""
+    template = None if shared is None or key is None else shared.stages.get(key)
     if template is None:
         return None
     spec = split.stages[index]

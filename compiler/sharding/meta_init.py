@@ -33,11 +33,10 @@ from collections.abc import Callable, Container
 import torch
 from torch import nn
 
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.sharding.fake_params import active_fake_mode
 from zeroc.sharding.meta_skeleton import WriteTracker, empty_like, skeleton, storage_id, swapped
 
-__all__ = ["PLANNING", "InitFn", "check_meta_initializable", "find_initializer",
+__all__ = ["InitFn", "check_meta_initializable", "find_initializer",
            "materialize_direct"]
 
 log = logging.getLogger(__name__)
@@ -285,6 +284,7 @@ def materialize_direct(
     device: torch.device,
     done: Container[int],
     init_fn: InitFn | None,
+    skip_init: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Full, initialized tensors for ``module``'s direct meta parameters (local name -> tensor on
     ``device``), excluding parameters whose id is in ``done`` (materialized through a tie).
@@ -292,11 +292,13 @@ def materialize_direct(
     Nothing full-size stays registered on ``module`` (the caller shards and registers). Its meta
     buffers are replaced in place by real buffers on ``device`` (HF rotary ``inv_freq`` as the
     model computes it). Call it for every module in ``model.named_modules()`` order.
+    ``skip_init``: a planned world's fake tensors (``PlannedWorld.skip_init``), made without
+    running any initializer.
     """
     metas = _direct_meta(module)
     if not metas:
         return {}
-    if PLANNING.skip_init:  # planning on fake tensors: shapes matter, values do not
+    if skip_init:  # planning on fake tensors: shapes matter, values do not
         for name, tensor, is_buffer in metas:
             if is_buffer:
                 module._buffers[name] = empty_like(tensor, device)

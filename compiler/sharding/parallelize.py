@@ -61,6 +61,7 @@ from zeroc.frontend.trace_settings import (
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.mesh import Mesh, build_mesh, group_device
 from zeroc.runtime.torch_compat import tree_map
+from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
     MixedPrecision,
@@ -74,7 +75,7 @@ from zeroc.runtime.zero_ops import (
 )
 from zeroc.sharding.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.sharding.fake_params import active_fake_mode, fake_flat, fake_visible
-from zeroc.sharding.meta_init import PLANNING, check_meta_initializable, materialize_direct
+from zeroc.sharding.meta_init import check_meta_initializable, materialize_direct
 from zeroc.sharding.sharded_params import (
     STATE_ATTR,
     ShardedParam,
@@ -153,20 +154,15 @@ def _check_process_group(mesh: Any) -> None:
         )
 
 
-def _materialize_device() -> torch.device:
-    if PLANNING.device is not None:  # the fake world's device
-        return PLANNING.device
-    return group_device()
-
-
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh,
+                            planned: PlannedWorld | None) -> torch.Tensor:
     # The caller reads only its values (``_shard`` copies them out), so only a tensor that is
     # broadcast into needs to be detached first.
-    if mesh.dp > 1 and not PLANNING.simulated:  # planning: no values to agree on
+    if mesh.dp > 1 and (planned is None or not planned.simulated):  # planning: no values
         tensor = tensor.detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
@@ -208,6 +204,7 @@ def parallelize(
     init_fn: Callable[[nn.Module], None] | None = None,
     layout: str | None = None,
     cache_dir: str | None = None,
+    planned_world: PlannedWorld | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place over the data-parallel group; return ``model``.
 
@@ -225,6 +222,8 @@ def parallelize(
     arguments on the same model definition. The result is recorded as
     ``model._zeroc_layout`` (a ``ZeroLayout``); each flat buffer the compiled graphs read
     carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
+    ``planned_world``: only ``zeroc.world`` passes it (a ``PlannedWorld``: planning on fake
+    tensors); kept as ``ZeroLayout.planned`` for the compile path and the executors.
 
     ``layout="auto"`` takes ``zero`` and ``pp`` from the last ``zeroc.tune`` of this model
     structure on this world and device (in ``cache_dir``, default ``~/.cache/zeroc``; one
@@ -240,12 +239,15 @@ def parallelize(
         zero, pp, tuned, tuned_from, tuned_inputs = _tuned_layout(model, layout, cache_dir)
     _validate(model, zero)
     _check_process_group(mesh)
-    if PLANNING.shared is None or not PLANNING.shared.get("meta_initializable"):
+    shared = planned_world.shared if planned_world is not None else None
+    if shared is None or not shared.meta_initializable:
         check_meta_initializable(model, init_fn)
-        if PLANNING.shared is not None:  # the positions of one world plan copies of one model
-            PLANNING.shared["meta_initializable"] = True
+        if shared is not None:  # the positions of one world plan copies of one model
+            shared.meta_initializable = True
     policy = _policy(mixed_precision)
-    device = _materialize_device()
+    # where the model is made: the planned world's device, else the process group's
+    device = planned_world.device if planned_world is not None else group_device()
+    skip_init = planned_world is not None and planned_world.skip_init
     mesh_ = build_mesh(pp, mesh, device.type)
     # id(original parameter) -> (the original, kept alive so ids stay unique; its replacement;
     # every (module, local name) owning it; every name it is known by)
@@ -254,10 +256,10 @@ def parallelize(
     modules: dict[nn.Module, list[str]] = {}
     # A meta model in a pipeline keeps no parameter until the split is known.
     deferred = (DeferredInit.capture(model, device, mesh_, init_fn)
-                if mesh_.pp > 1 and has_meta_parameters(model) and not PLANNING.skip_init
+                if mesh_.pp > 1 and has_meta_parameters(model) and not skip_init
                 else None)  # planning: fake tensors hold nothing to defer
     for path, module in list(model.named_modules()):
-        fresh = materialize_direct(model, module, device, entries, init_fn)
+        fresh = materialize_direct(model, module, device, entries, init_fn, skip_init)
         for local, param in list(module._parameters.items()):
             if param is None:
                 continue
@@ -265,8 +267,8 @@ def parallelize(
                 # Sharded at once: the full tensor is freed before the next module's.
                 full = fresh.pop(local, param)
                 if deferred is None or not param.is_meta:
-                    full = _broadcast_from_dp_root(full, mesh_)
-                sharded = _shard(param, full, zero, mesh_, policy)
+                    full = _broadcast_from_dp_root(full, mesh_, planned_world)
+                sharded = _shard(param, full, zero, mesh_, policy, planned_world)
                 if deferred is not None and param.is_meta:
                     deferred.defer(sharded)
                 entries[id(param)] = (param, sharded, [], [])
@@ -292,7 +294,7 @@ def parallelize(
         model.register_forward_pre_hook(mark_batch_dynamic, with_kwargs=True, prepend=True)
         model.register_forward_pre_hook(install_output_capture_hooks, with_kwargs=True)
         install_state_dict_hooks(model, deferred)  # a rank saves only the stages it holds
-    install_input_device_check(model, group_device())
+    install_input_device_check(model, device)
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(_cast_inputs_hook(policy.param_dtype), with_kwargs=True)
     if policy is not None and policy.output_dtype is not None:
@@ -300,7 +302,7 @@ def parallelize(
     layout = ZeroLayout(
         zero=zero, pp=mesh_.pp, dp=mesh_.dp, world=mesh_.world, mixed_precision=policy,
         mesh=mesh_, params=tuple(s.record for s in state.params), tuned_options=tuned,
-        tuned_from=tuned_from, tuned_inputs=tuned_inputs,
+        tuned_from=tuned_from, tuned_inputs=tuned_inputs, planned=planned_world,
     )
     setattr(model, LAYOUT_ATTR, layout)
     model.__dict__["_zeroc_state"] = state
@@ -341,7 +343,7 @@ def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
 
 
 def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
-           policy: MixedPrecision | None) -> ShardedParam:
+           policy: MixedPrecision | None, planned: PlannedWorld | None) -> ShardedParam:
     """The flat buffer, visible parameter and record that stand for ``param`` on this rank."""
     shape = tuple(param.shape)
     numel = full.numel()
@@ -357,10 +359,10 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
     # ranks makes hundreds of them per pipeline position), made without dispatching an op.
     # No rank makes the whole parameter there: ``full`` is a meta tensor (``meta_init``),
     # or, for the dispatched reference (``tests/test_fake_params.py``), a fake made here.
-    fake_mode = active_fake_mode() if PLANNING.simulated else None
-    if full.is_meta and PLANNING.device is not None and fake_mode is None:
-        full = torch.empty(full.shape, dtype=full.dtype, device=PLANNING.device)
-    device = PLANNING.device if full.is_meta else full.device
+    fake_mode = active_fake_mode() if planned is not None and planned.simulated else None
+    if full.is_meta and planned is not None and fake_mode is None:
+        full = torch.empty(full.shape, dtype=full.dtype, device=planned.device)
+    device = planned.device if full.is_meta and planned is not None else full.device
     if op_stage in (2, 3):
         padded, offset = padded_numel_for(shape, dp), 0
         flat = (fake_flat(fake_mode, padded // dp, full.dtype, device, param.requires_grad)

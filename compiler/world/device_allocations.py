@@ -275,13 +275,21 @@ def count_rank(model: Any, example_inputs: Any, *, rank: int, world: int, pp: in
     ``no_grad_calls`` calls under ``torch.no_grad()``), counting every allocation on its
     device from the start."""
     import zeroc
-    from zeroc.runtime.planning_state import PLANNING
-    from zeroc.world.fake_world import _backward_for, _fake_inputs, fake_world, loss_of, meta_copy
+    from zeroc.world.fake_world import (
+        _backward_for,
+        _fake_inputs,
+        fake_world,
+        loss_of,
+        meta_copy,
+        planned_world,
+    )
 
     replica = meta_copy(model)
-    with fake_world(rank, world, pp, device) as mode, counting(PLANNING.device, mode) as ledger:
-        args, kwargs = _fake_inputs(example_inputs, PLANNING.device)
-        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision)
+    planned = planned_world(rank, world, pp, device)
+    with fake_world(rank, world, pp, device) as mode, counting(planned.device, mode) as ledger:
+        args, kwargs = _fake_inputs(example_inputs, planned.device)
+        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision,
+                                     planned_world=planned)
         optimizer = torch.optim.AdamW(parallel.parameters())
         compiled = torch.compile(parallel, backend="zeroc", options=dict(options or {}))
         backward = _backward_for(device)

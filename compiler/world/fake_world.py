@@ -40,8 +40,8 @@ from torch import nn
 from zeroc.runtime import nccl_order
 from zeroc.runtime.nccl_devices import strict_devices
 from zeroc.runtime.nccl_order import P2PRecord
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import FakeTensorMode
+from zeroc.runtime.world import PlannedWorld, SharedPlanning
 from zeroc.world.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.world.plan_capture import SharedTrace
 
@@ -79,13 +79,12 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
     if device == "cuda":
         ensure_fake_cuda()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    from zeroc.runtime.mesh import build_mesh
+    from zeroc.runtime.mesh import build_mesh, plan_group_on
+
+    plan_group_on(planned_device(device))  # what group_device() answers in this world
 
     build_mesh(pp, None, device)  # on real tensors (it reads its rank table); parallelize reuses it
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    saved = (PLANNING.skip_init, PLANNING.device, PLANNING.simulated)
-    PLANNING.skip_init, PLANNING.simulated = True, True
-    PLANNING.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     torch.compiler.reset()
     try:
         with contextlib.ExitStack() as stack:
@@ -93,15 +92,28 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
                 stack.enter_context(fake_cuda_planning())
             stack.enter_context(mode)
             if device == "cuda":
-                stack.enter_context(strict_devices(PLANNING.device))
+                stack.enter_context(strict_devices(planned_device(device)))
             yield mode
     finally:
-        PLANNING.skip_init, PLANNING.device, PLANNING.simulated = saved
         torch.compiler.reset()
         from zeroc.runtime import shutdown
 
         shutdown.release_destroyed_groups()
         dist.destroy_process_group()
+
+
+def planned_device(device: str) -> torch.device:
+    """The device a planned world on ``device`` (``"cuda"`` or ``"cpu"``) allocates on."""
+    return torch.device(device, 0) if device == "cuda" else torch.device(device)
+
+
+def planned_world(rank: int, world: int, pp: int, device: str,
+                  shared: SharedPlanning | None = None) -> PlannedWorld:
+    """The ``PlannedWorld`` of rank ``rank`` planned in ``fake_world``: what
+    ``zeroc.parallelize(..., planned_world=)`` is given. ``shared``: the holder of the world
+    being planned (``zeroc.world.world_plan``), or None for one rank planned alone."""
+    return PlannedWorld(rank=rank, world_size=world, pp=pp, device=planned_device(device),
+                        shared=shared)
 
 
 def _fake_inputs(example_inputs: Any, device: torch.device) -> tuple[tuple, dict]:
@@ -232,7 +244,8 @@ def _explain_value_read(error: Exception) -> None:
 
 def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: int, pp: int,
                   zero: int, device: str, options: dict | None,
-                  mixed_precision: Any = None, trace: SharedTrace | None = None) -> PositionPlan:
+                  mixed_precision: Any = None, trace: SharedTrace | None = None,
+                  shared: SharedPlanning | None = None) -> PositionPlan:
     """Plan global rank ``rank`` of a ``world``-rank job: one fake training step.
 
     ``trace``: with ``pp > 1``, Dynamo's graph shared by the positions of one world
@@ -243,10 +256,11 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
 
     started = time.perf_counter()
     replica = meta_copy(model)
+    planned = planned_world(rank, world, pp, device, shared)
     with fake_world(rank, world, pp, device) as _:
-        target = PLANNING.device
-        args, kwargs = _fake_inputs(example_inputs, target)
-        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision)
+        args, kwargs = _fake_inputs(example_inputs, planned.device)
+        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision,
+                                     planned_world=planned)
         optimizer = torch.optim.AdamW(parallel.parameters())
         session = None
         try:  # compiled outside the tracker: its module hooks would split Dynamo's graph
@@ -273,19 +287,22 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
 
 def share_front(model: nn.Module, example_inputs: Any, *, world: int, pp: int, zero: int,
                 device: str, options: dict | None, mixed_precision: Any,
-                trace: SharedTrace) -> None:
+                trace: SharedTrace, shared: SharedPlanning | None = None) -> None:
     """Before any position of a ``pp > 1`` world is planned: trace the model once, as rank 0,
     into ``trace`` and, when the trace can be shared, build the pipeline front every position
-    compiles from (kept in ``PLANNING.shared``), so that the positions, planned in two
-    processes (``zeroc.world.plan_workers``), inherit both. A model the shared trace cannot take is
-    left to each position's own compile, which reports what is wrong as a user's would."""
+    compiles from (kept in ``shared``, the world's ``SharedPlanning``), so that the positions,
+    planned in two processes (``zeroc.world.plan_workers``), inherit both. A model the shared
+    trace cannot take is left to each position's own compile, which reports what is wrong as a
+    user's would."""
     import zeroc
 
     started = time.perf_counter()
     replica = meta_copy(model)
+    planned = planned_world(0, world, pp, device, shared)
     with fake_world(0, world, pp, device):
-        args, kwargs = _fake_inputs(example_inputs, PLANNING.device)
-        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision)
+        args, kwargs = _fake_inputs(example_inputs, planned.device)
+        parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision,
+                                     planned_world=planned)
         try:
             trace.trace(parallel, args, kwargs)
             if trace.reusable:

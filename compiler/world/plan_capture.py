@@ -52,7 +52,7 @@ from zeroc.pipeline.pipeline_front import (
     op_namespace,
     remember_sources,
 )
-from zeroc.runtime.planning_state import PLANNING
+from zeroc.runtime.world import SharedPlanning
 
 __all__ = ["SharedTrace"]
 
@@ -151,7 +151,9 @@ def _without_forward_depth_hooks(model: nn.Module) -> Iterator[None]:
 class SharedTrace:
     """Dynamo's graph of a model, traced on the first pipeline position, compiled on each."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: SharedPlanning | None = None) -> None:
+        # the holder of the world whose positions share this trace (None: one position)
+        self.shared = shared
         self.gm: torch.fx.GraphModule | None = None
         self.places: list[tuple] | None = None
         self.example_inputs: list[Any] = []  # the traced call's (sizes are SymInts)
@@ -233,7 +235,7 @@ class SharedTrace:
         inputs = [self.example_inputs[p[1]] if p[0] == "size" else _find(p, model, args, kwargs)
                   for p in self.places]
         groups = dict(zip(_group_names(self.example_inputs), _group_names(inputs), strict=True))
-        if front_is_shared(self.gm) or all(old == new for old, new in groups.items()):
+        if front_is_shared(self.gm, self.shared) or all(old == new for old, new in groups.items()):
             gm = self.gm  # the kept front is renamed instead; or the names are this position's
         else:
             gm = _renamed_groups(self.gm, groups)
@@ -254,13 +256,16 @@ class SharedTrace:
 
     def build_front(self, model: nn.Module, args: tuple, kwargs: dict,
                     options: dict | None) -> None:
-        """Build (and keep in ``PLANNING.shared``) the pipeline front every position compiles
-        from, compiling no stage: the call stops once the front is made."""
+        """Build (and keep in ``self.shared``) the pipeline front every position compiles
+        from, compiling no stage: the call stops once the front is made. The model must be
+        parallelized for this world (``planned_world`` with ``shared=self.shared``)."""
+        if self.shared is None:
+            raise ValueError("SharedTrace.build_front needs the planned world's SharedPlanning")
         step, _ = self.compile(model, args, kwargs, options)
-        PLANNING.front_only = True
+        self.shared.front_only = True
         try:
             step(*args, **kwargs)
         except FrontBuilt:
             pass  # the intended stop: the front is kept, no stage was compiled
         finally:
-            PLANNING.front_only = False
+            self.shared.front_only = False

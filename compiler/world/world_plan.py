@@ -25,8 +25,8 @@ from zeroc.pipeline.pipeline_front import shared_front
 from zeroc.runtime import nccl_order
 from zeroc.runtime.plan.plan import Plan
 from zeroc.runtime.plan.records import MemoryEstimate
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import preload_inductor_pattern_matcher
+from zeroc.runtime.world import SharedPlanning
 from zeroc.runtime.zero_ops import ZERO_STAGES
 from zeroc.world.fake_world import DEVICES, plan_position, share_front
 from zeroc.world.plan_capture import SharedTrace
@@ -62,10 +62,10 @@ def _check(world: Any, pp: Any, zero: Any, device: Any, hardware: Any) -> None:
         get_profile(hardware)  # raises naming the known profiles
 
 
-def _position_work(pp: int) -> dict[int, PositionWork] | None:
+def _position_work(pp: int, shared: SharedPlanning | None) -> dict[int, PositionWork] | None:
     """Each position's planning work, estimated from the shared front's stages (their node
     counts; stages of one structure are one program), or None without a shared front."""
-    front = shared_front()
+    front = shared_front(shared) if shared is not None else None
     if front is None:
         return None
     placement = front.schedule.placement
@@ -101,27 +101,28 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
     this machine without the cluster. ``options``: zeroc's compile options."""
     _check(world, pp, zero, device, hardware)
     dp = world // pp
-    trace = SharedTrace()  # Dynamo traces the model once, for every position
-    PLANNING.shared = {}  # and the positions share what they would all compute alike
+    # What the positions share, this world's own (a later world gets a new one): Dynamo's
+    # trace of the model, and what they would all compute alike (fronts, stages, the check
+    # that the model is meta-initializable).
+    shared = SharedPlanning()
+    trace = SharedTrace(shared)
 
     def plan_one(position: int):
         log.info("planning pipeline position %d of %d (rank %d)", position + 1, pp,
                  position * dp)
         return plan_position(
             model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
-            device=device, options=options, mixed_precision=mixed_precision, trace=trace)
+            device=device, options=options, mixed_precision=mixed_precision, trace=trace,
+            shared=shared)
 
     # What the positions share first; then the positions, on two cores where there are.
-    try:
-        with full_collections_deferred():
-            if pp > 1 and trace is not None:
-                share_front(model, example_inputs, world=world, pp=pp, zero=zero,
-                            device=device, options=options, mixed_precision=mixed_precision,
-                            trace=trace)
-                _import_before_fork(options)
-            positions = plan_positions(plan_one, list(range(pp)), _position_work(pp))
-    finally:
-        PLANNING.shared = None
+    with full_collections_deferred():
+        if pp > 1 and trace is not None:
+            share_front(model, example_inputs, world=world, pp=pp, zero=zero,
+                        device=device, options=options, mixed_precision=mixed_precision,
+                        trace=trace, shared=shared)
+            _import_before_fork(options)
+        positions = plan_positions(plan_one, list(range(pp)), _position_work(pp, shared))
     # The representatives are one pipeline (data-parallel index 0): their transfers must
     # match under NCCL's ordering rules, whatever the backend planned on.
     nccl_order.check({p.rank: p.p2p for p in positions if p.p2p is not None},

@@ -23,7 +23,6 @@ from torch.utils.flop_counter import flop_registry
 from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP, collective_bytes
 from zeroc.runtime.cost.op_timing import encode_call
 from zeroc.runtime.plan.records import GraphInfo, NodeCost
-from zeroc.runtime.planning_state import PLANNING
 from zeroc.runtime.torch_compat import OpOverload, tree_flatten
 
 # Adam and AdamW keep two state tensors (exp_avg, exp_avg_sq) per parameter.
@@ -121,8 +120,9 @@ def call_cost(target: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:
     return flops, read + written
 
 
-def node_cost(node: torch.fx.Node) -> NodeCost:
-    """FLOPs and bytes of one ``call_function`` node (zero for anything else)."""
+def node_cost(node: torch.fx.Node, timed: bool = False) -> NodeCost:
+    """FLOPs and bytes of one ``call_function`` node (zero for anything else). ``timed``: a
+    planned world's graph, whose calls a plan's step estimate times: the call is encoded."""
     name, target = node.name, _target_name(node)
     if node.op != "call_function" or node.target is operator.getitem:
         return NodeCost(name, target, 0, 0)
@@ -131,7 +131,7 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     # Only a plan's step estimate times calls (zeroc.runtime.cost.op_timing); a training compile
     # keeps none.
     # a collective or its wait is not timed as an op either.
-    timed = PLANNING.device is not None and node.target not in ISSUE_OPS and (
+    timed = timed and node.target not in ISSUE_OPS and (
         node.target is not WAIT_OP)
     call = encode_call(node.target, args, kwargs) if timed else ""
     if is_alias(node.target):
@@ -183,9 +183,11 @@ def peak_bytes(gm: torch.fx.GraphModule, include_inputs: bool = True) -> int:
     return inputs + peak if include_inputs else peak
 
 
-def graph_info(gm: torch.fx.GraphModule, name: str, kind: str, code: str = "") -> GraphInfo:
-    """Summarize a graph: node count, inputs/outputs, FLOPs, bytes, peak bytes, per-node costs."""
-    costs = tuple(node_cost(n) for n in gm.graph.nodes if n.op == "call_function")
+def graph_info(gm: torch.fx.GraphModule, name: str, kind: str, code: str = "",
+               timed: bool = False) -> GraphInfo:
+    """Summarize a graph: node count, inputs/outputs, FLOPs, bytes, peak bytes, per-node costs.
+    ``timed``: planned for a world (``PlannedWorld``), its node costs keep their calls."""
+    costs = tuple(node_cost(n, timed) for n in gm.graph.nodes if n.op == "call_function")
     outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return GraphInfo(
         name=name,

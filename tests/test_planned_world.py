@@ -1,0 +1,122 @@
+"""The planned world is passed down, never read from a global (``zeroc.runtime.world``).
+
+An AST scan finds no module of the package that names a global planning state, and finds the
+executors and compilers taking the world (or a strategy chosen from it) at construction.
+The stage runner and the group device are chosen from the world and the process group. Two
+worlds planned one after the other in one process (different devices, world sizes) each get
+their own ``SharedPlanning``: the second sees none of the first's fronts or stages.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from models.gpt import GPT, GPTConfig
+
+import zeroc
+import zeroc.world.plan_workers as plan_workers
+import zeroc.world.world_plan as world_plan
+from zeroc.frontend.stage_compiler import StageCompiler
+from zeroc.runtime import mesh
+from zeroc.runtime.pipeline_executor import PipelineExecutor
+from zeroc.runtime.world import FakeReplay, PlannedWorld, RealRun, SharedPlanning, stage_runner
+from zeroc.world.fake_world import fake_world, meta_copy, planned_world
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("compiler", "passes", "codegen", "runtime")
+
+
+def _modules() -> list[Path]:
+    return [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+
+
+def test_no_module_reads_a_global_planning_state() -> None:
+    assert not (ROOT / "runtime" / "planning_state.py").exists()
+    readers = []
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "PLANNING":
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.ImportFrom) and "planning_state" in (node.module or ""):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "PLANNING":
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not readers, readers
+    assert len(_modules()) > 100  # the scan saw the package
+
+
+def test_the_executors_take_the_world_at_construction() -> None:
+    assert "planned" in inspect.signature(PipelineExecutor.__init__).parameters
+    assert "planned" in {f.name for f in StageCompiler.__dataclass_fields__.values()}
+    import zeroc.sharding.parallelize as parallelize
+
+    assert "planned_world" in inspect.signature(parallelize.parallelize).parameters
+    # the executor's hot path calls the runner it was given, no module-level switch
+    source = inspect.getsource(PipelineExecutor)
+    assert "self._runner.call(" in source and "stage_runner(planned)" in source
+
+
+def test_the_stage_runner_is_chosen_from_the_world() -> None:
+    world = PlannedWorld(rank=0, world_size=2, pp=1, device=torch.device("cpu"))
+    assert type(stage_runner(world)) is FakeReplay and stage_runner(world).simulated
+    assert type(stage_runner(None)) is RealRun and not stage_runner(None).simulated
+    real = PlannedWorld(rank=0, world_size=2, pp=1, device=torch.device("cpu"), simulated=False)
+    assert type(stage_runner(real)) is RealRun
+    assert RealRun().call(lambda a, b: a + b, 1, 2) == 3
+
+
+def test_the_group_device_is_the_fake_groups_own() -> None:
+    with fake_world(0, 2, 1, "cuda"):
+        assert mesh.group_device() == torch.device("cuda", 0)
+        assert mesh.is_fake_group(dist.group.WORLD)
+    with fake_world(0, 2, 1, "cpu"):
+        assert mesh.group_device() == torch.device("cpu")
+    assert not dist.is_initialized()
+    assert mesh.group_device() == torch.device("cpu")  # the planned world's device is gone
+
+
+def test_the_layout_carries_the_world_parallelize_was_given() -> None:
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32), seed=1)
+    world = planned_world(1, 4, 2, "cuda", SharedPlanning())
+    with fake_world(1, 4, 2, "cuda"):
+        model = zeroc.parallelize(meta_copy(gpt), zero=3, pp=2, planned_world=world)
+        layout = model._zeroc_layout
+        assert layout.planned is world and layout.planned.device == torch.device("cuda", 0)
+        assert world.shared.meta_initializable  # checked once for the world's copies
+        flat = model.__dict__["_zeroc_state"].params[0].flat
+        assert flat._zeroc_layout.planned is world  # what the backend reads
+
+
+@pytest.mark.slow
+def test_two_worlds_planned_in_turn_share_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    holders: list[SharedPlanning] = []
+
+    def recorded() -> SharedPlanning:
+        holders.append(SharedPlanning())
+        return holders[-1]
+
+    monkeypatch.setattr(world_plan, "SharedPlanning", recorded)
+    monkeypatch.setattr(plan_workers, "planning_cores", lambda: 1)  # the holders stay here
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32), seed=1)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    first = zeroc.explain(gpt, (tokens, tokens), world=4, pp=2, device="cpu")
+    fronts = dict(holders[0].fronts)
+    stages = dict(holders[0].stages)
+    second = zeroc.explain(gpt, (tokens, tokens), world=8, pp=2, device="cuda")
+    assert len(holders) == 2 and holders[0] is not holders[1]
+    assert fronts and stages  # the first world shared its front and stages
+    assert holders[1].stages  # the second compiled (and shared) its own stages
+    assert holders[0].fronts == fronts and holders[0].stages == stages  # left as it was
+    firsts = {id(f) for f in fronts.values()} | {id(s) for s in stages.values()}
+    seconds = {id(f) for f in holders[1].fronts.values()} | {
+        id(s) for s in holders[1].stages.values()}
+    assert not firsts & seconds
+    assert not holders[0].front_only and not holders[1].front_only
+    assert (first.meta.world_size, first.meta.device) == (4, "cpu")
+    assert (second.meta.world_size, second.meta.device) == (8, "cuda (planned)")
