@@ -106,13 +106,25 @@ def test_the_estimate_takes_timed_ops_and_counts_views(tmp_path) -> None:
                                                             profile) for n in nodes if n.flops))
 
 
-def test_the_optimizer_is_timed_on_dtensors_when_parameters_are_sharded(tmp_path) -> None:
+def test_the_optimizer_is_timed_on_dtensors_when_parameters_are_sharded(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.tensor import DTensor
+
+    stepped = []  # per timed step: whether its parameters were DTensors (not how long it took)
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        stepped.append({isinstance(p, DTensor) for g in self.param_groups for p in g["params"]})
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     times = OpTimes(str(tmp_path))
     plain = times.optimizer_seconds([4096] * 20, dtensor=False)
+    timed_plain, stepped[:] = list(stepped), []
     sharded = times.optimizer_seconds([4096] * 20, dtensor=True)
-    assert plain is not None and sharded is not None
-    # Each of the per-tensor loop's ops goes through DTensor's dispatch: several times dearer.
-    assert sharded > plain
+    assert plain is not None and sharded is not None and plain > 0 and sharded > 0
+    assert timed_plain and all(kinds == {False} for kinds in timed_plain)
+    assert stepped and all(kinds == {True} for kinds in stepped)
     assert times.optimizer_seconds([], dtensor=True) == 0.0
     assert not torch.distributed.is_initialized()  # the fake group it made is gone
 
