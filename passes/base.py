@@ -72,6 +72,9 @@ class PassContext:
     graph_name: str
     kind: str
     device: torch.device = torch.device("cpu")
+    # The planned world (``zeroc.runtime.world.PlannedWorld``) the graph is compiled for;
+    # None: a real run. Its collectives then run on a fake group that moves nothing.
+    planned: Any = None
     kernels: list[Any] = dataclasses.field(default_factory=list)
     collectives: list[Any] = dataclasses.field(default_factory=list)
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)

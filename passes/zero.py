@@ -281,7 +281,8 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
     for bucket in buckets:
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
-        by_all_reduce = stage >= 2 and reduce_scatter_runs_as_all_reduce(group_name, ctx.device)
+        by_all_reduce = stage >= 2 and reduce_scatter_runs_as_all_reduce(
+            group_name, ctx.device, planned=ctx.planned is not None)
         # Issued as soon as the bucket's last gradient exists.
         last = max(bucket.nodes, key=_order)
         if stage == 0:  # replicated: all-reduce the concatenated flat gradients

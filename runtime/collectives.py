@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime.mesh import is_fake_group, resolve_group
+from zeroc.runtime.mesh import resolve_group
 
 functional = torch.ops._c10d_functional
 
@@ -43,14 +43,16 @@ def collective_bytes(op: str, in_bytes: int, out_bytes: int) -> int:
     raise ValueError(f"unknown collective {op!r}; known: all_gather, reduce_scatter, all_reduce")
 
 
-def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device) -> bool:
+def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device,
+                                      planned: bool = False) -> bool:
     """Whether the group reduce-scatters tensors of ``device`` by an all-reduce (gloo).
 
-    Planning with a fake process group, a CPU job is planned as it runs: on gloo."""
+    ``planned``: the graph is compiled for a planned world (its group is a fake one), where a
+    CPU job is planned as it runs: on gloo."""
     group = resolve_group(group_name)
     if group is None:
         return False
-    if is_fake_group(group):  # planned: the CPU job's gloo
+    if planned:
         return torch.device(device).type == "cpu"
     try:
         backend = group._get_backend(torch.device(device))

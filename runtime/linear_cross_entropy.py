@@ -59,9 +59,10 @@ KERNEL_ENV = "ZEROC_CE_KERNEL"
 CHUNK_KERNELS = ("auto", "triton", "torch")
 
 # Ways to add a compute-dtype product into a float32 weight gradient (``_accumulate_mm``),
-# best first, and the one that worked, per device type.
+# best first, and the one that worked, per device type and by whether the tensors were fake:
+# a planned world's fake CUDA tensors answer for their meta kernels, never for a real GPU's.
 _ACCUMULATE_ORDER = ("baddbmm", "mm_out_dtype", "cast")
-_accumulate_method: dict[str, str] = {}
+_accumulate_method: dict[tuple[str, bool], str] = {}
 
 
 # Fewest rows a chunk gets when the weight allows it (see ``chunk_rows_for``).
@@ -161,10 +162,13 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     the product in the compute dtype. Tries, on CUDA, cuBLAS accumulating into ``acc`` itself
     (``baddbmm`` with ``out_dtype``), then a float32-output product added to ``acc``; elsewhere,
     and where those raise, a compute-dtype product (rounded once per chunk) added to ``acc``.
-    The first that works is remembered per device type."""
+    The first that works is remembered per device type, for fake and real tensors apart."""
+    from zeroc.runtime.torch_compat import FakeTensor
+
     kind = acc.device.type
+    key = (kind, isinstance(acc, FakeTensor))
     order = _ACCUMULATE_ORDER if kind == "cuda" else ("cast",)
-    for method in order[order.index(_accumulate_method.get(kind, order[0])):]:
+    for method in order[order.index(_accumulate_method.get(key, order[0])):]:
         try:
             if method == "baddbmm":
                 acc3 = acc.unsqueeze(0)
@@ -180,7 +184,7 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             logger.debug("zeroc::linear_cross_entropy: %s accumulation unavailable on %s (%s)",
                          method, kind, exc)
             continue
-        _accumulate_method[kind] = method
+        _accumulate_method[key] = method
         return
 
 

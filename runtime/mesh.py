@@ -75,7 +75,7 @@ def is_fake_group(group: ProcessGroup | None) -> bool:
     """Whether ``group`` belongs to a fake process group (``zeroc.world.fake_world``): one
     program stands for every rank and no collective moves values. Read from the group itself,
     so what runs on it needs no planning flag."""
-    return group is not None and dist.get_backend(group) == "fake"
+    return group is not None and "fake" in str(dist.get_backend(group)).split(":")[-1]
 
 
 def resolve_group(group_name: str) -> ProcessGroup | None:
@@ -87,21 +87,6 @@ def resolve_group(group_name: str) -> ProcessGroup | None:
     return resolve_process_group(group_name)
 
 
-# A fake default process group (``zeroc.world.fake_world``) -> the device its world is planned
-# on. Keyed by the group object, so an entry dies with its group and a later world (a new
-# group) never sees an earlier one's device.
-_PLANNED_DEVICES: weakref.WeakKeyDictionary[ProcessGroup, torch.device] = (
-    weakref.WeakKeyDictionary())
-
-
-def plan_group_on(device: torch.device) -> None:
-    """Record that the default process group, a fake one, stands for a world on ``device``."""
-    group = dist.group.WORLD
-    if not is_fake_group(group):
-        raise ValueError("plan_group_on: the default process group is not a fake one")
-    _PLANNED_DEVICES[group] = device
-
-
 def group_device() -> torch.device:
     """The device this rank's tensors live on for the default process group's collectives.
 
@@ -109,18 +94,18 @@ def group_device() -> torch.device:
     ``init_process_group()`` and no backend torch reports ``"undefined"`` and configures
     ``"cpu:gloo,cuda:nccl"``. CUDA (the current device, set from ``LOCAL_RANK`` by the
     launcher's script) when the group routes CUDA tensors to NCCL and this process sees a
-    GPU; the CPU otherwise (gloo, or no process group). In a planned world
-    (``zeroc.world.fake_world``), the device its fake group was made for (``plan_group_on``)."""
+    GPU; the CPU otherwise (gloo, or no process group). A planned world's fake group says
+    the same in its own configuration (``zeroc.world.fake_world``): ``"cpu:fake,cuda:fake"``
+    stands for an NCCL world on the planned GPU (fake CUDA's device 0, where no GPU is
+    present), ``"cpu:fake"`` for a gloo one."""
     if not (dist.is_available() and dist.is_initialized()):
-        return torch.device("cpu")
-    world_group = dist.group.WORLD
-    planned = _PLANNED_DEVICES.get(world_group) if world_group is not None else None
-    if planned is not None:
-        return planned
-    if not torch.cuda.is_available():
         return torch.device("cpu")
     get_config = getattr(dist, "get_backend_config", None)
     config = str(get_config()) if get_config is not None else str(dist.get_backend())
+    if is_fake_group(dist.group.WORLD):
+        return torch.device("cuda", 0) if "cuda:fake" in config else torch.device("cpu")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
     # "cpu:gloo,cuda:nccl", "cuda:nccl", or a bare name ("nccl") on older torch: the
     # backend CUDA tensors are routed to, if it is a GPU one (gloo stages them on the CPU).
     routes = dict(part.split(":", 1) for part in config.lower().split(",") if ":" in part)
@@ -210,7 +195,7 @@ def _host_groups(device_mesh: Any, rank: int) -> str:
     one process standing for every rank) makes its own and holds it to the CPU rule
     (``nccl_devices.host_group``)."""
     layout = device_mesh.mesh  # (pp, dp) global ranks
-    backend = None if dist.get_backend() == "fake" else "gloo"
+    backend = None if is_fake_group(dist.group.WORLD) else "gloo"
     mine = None
     for d in range(layout.shape[1]):
         ranks = [int(r) for r in layout[:, d].tolist()]

@@ -17,6 +17,10 @@ built (frozen dataclasses; a change is a new Program, ``dataclasses.replace``):
   parallelized); ``collectives``: the per-step collectives outside the graphs.
 - ``summaries``: pp > 1, one ``StageSummary`` per stage of the whole pipeline (every rank's),
   for the plan; ``position_params``: pipeline position -> the parameters its ranks hold.
+- ``record``: what the compiler recorded while building it (``ProgramRecord``: the graphs'
+  costs, the kernels, the in-graph collectives, every pass's row, the Inductor source); the
+  Plan is built from the Programs that run and what was measured
+  (``zeroc.frontend.session_plan``), never from a record kept beside them.
 
 A Program is also a pass subject (``pass_text``, ``pass_size``, ``pass_check``): the program
 passes (``passes/split_weight_grad.py``, ``passes/overlap_fb.py``, ``passes/comm_lowering.py``)
@@ -35,9 +39,10 @@ import torch.fx
 
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.pipeline_zero import HoistedParam
+from zeroc.runtime.plan.records import CollectiveInfo, GraphInfo, KernelInfo, ParamInfo, PassInfo
 
-__all__ = ["PipelineLayout", "Program", "StageProgram", "StageSummary", "ValueMeta",
-           "frozen_mapping"]
+__all__ = ["PipelineLayout", "Program", "ProgramRecord", "StageProgram", "StageSummary",
+           "ValueMeta", "frozen_mapping"]
 
 def frozen_mapping(values: Mapping[Any, Any] | None = None) -> Mapping[Any, Any]:
     """A read-only copy of ``values`` (a Program's mappings cannot be changed in place)."""
@@ -124,6 +129,33 @@ class StageSummary:
     message_bytes: int  # bytes this stage sends the next per micro-batch (0 for the last)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgramRecord:
+    """What the compiler recorded while it built a Program (its rows of the Plan).
+
+    ``graphs`` are the costed graphs (``joint``: the joint graph, before partition),
+    ``kernels`` the kernels they launch, ``collectives`` those inside the graphs (pp > 1 adds
+    the step's buckets), ``passes`` a row per pass run on them; ``saved_bytes`` and
+    ``transient_bytes`` the activations the forward keeps and the largest working set;
+    ``output_code`` Inductor's source by graph; ``collectives_moved`` the graphs whose
+    collectives Inductor reordered.
+    """
+
+    params: tuple[ParamInfo, ...] = ()
+    device: str = "cpu"
+    zero: int = -1  # ZeRO stage of the graphs' parameters; -1: not parallelized
+    zero_group: str = ""
+    joint: GraphInfo | None = None
+    graphs: tuple[GraphInfo, ...] = ()
+    kernels: tuple[KernelInfo, ...] = ()
+    collectives: tuple[CollectiveInfo, ...] = ()
+    passes: tuple[PassInfo, ...] = ()
+    saved_bytes: int = 0
+    transient_bytes: int = 0
+    output_code: Mapping[str, str] = dataclasses.field(default_factory=frozen_mapping)
+    collectives_moved: tuple[str, ...] = ()
+
+
 def _text(name: str, graph: torch.fx.GraphModule) -> str:
     body = graph.print_readable(print_output=False, include_stride=False,
                                 include_device=False)
@@ -148,6 +180,7 @@ class Program:
     summaries: tuple[StageSummary, ...] = ()
     position_params: Mapping[int, frozenset[str]] = dataclasses.field(
         default_factory=frozen_mapping)
+    record: ProgramRecord = dataclasses.field(default_factory=ProgramRecord)
 
     def with_graph(self, name: str, graph: torch.fx.GraphModule,
                    stage: StageProgram | None = None) -> Program:

@@ -278,3 +278,20 @@ def test_chunk_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1"):
         lce.chunk_kernel_for(cpu)
+
+
+def test_accumulation_probe_keeps_fake_and_real_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a planned world's fake tensors showed of the weight-gradient accumulation is
+    remembered apart from what real tensors show: a fake CUDA probe never picks a real GPU's
+    method."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(lce, "_accumulate_method", {})
+    a, b = torch.ones(4, 3, dtype=torch.bfloat16), torch.ones(3, 5, dtype=torch.bfloat16)
+    acc = torch.zeros(4, 5)
+    lce._accumulate_mm(acc, a, b)
+    assert torch.equal(acc, torch.full((4, 5), 3.0))
+    with FakeTensorMode() as mode:
+        fake_acc = mode.from_tensor(torch.zeros(4, 5))
+        lce._accumulate_mm(fake_acc, mode.from_tensor(a), mode.from_tensor(b))
+    assert lce._accumulate_method == {("cpu", False): "cast", ("cpu", True): "cast"}

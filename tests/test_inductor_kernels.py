@@ -33,7 +33,7 @@ STEPS = 2
 
 
 def _records(compiled: torch.nn.Module) -> list:
-    return getattr(wrapper_of(compiled), SESSION_ATTR).records
+    return getattr(wrapper_of(compiled), SESSION_ATTR).records()
 
 
 @pytest.mark.timeout(300)

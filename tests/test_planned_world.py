@@ -71,14 +71,19 @@ def test_the_stage_runner_is_chosen_from_the_world() -> None:
     assert RealRun().call(lambda a, b: a + b, 1, 2) == 3
 
 
-def test_the_group_device_is_the_fake_groups_own() -> None:
+def test_the_group_device_is_read_from_the_fake_groups_configuration() -> None:
+    """A planned world's fake group is configured for the devices the planned job's group
+    serves, as a real one is: no table beside it says where its tensors live."""
     with fake_world(0, 2, 1, "cuda"):
-        assert mesh.group_device() == torch.device("cuda", 0)
         assert mesh.is_fake_group(dist.group.WORLD)
+        assert dist.get_backend_config() == "cpu:fake,cuda:fake"
+        assert mesh.group_device() == torch.device("cuda", 0)
     with fake_world(0, 2, 1, "cpu"):
+        assert dist.get_backend_config() == "cpu:fake"
         assert mesh.group_device() == torch.device("cpu")
     assert not dist.is_initialized()
-    assert mesh.group_device() == torch.device("cpu")  # the planned world's device is gone
+    assert mesh.group_device() == torch.device("cpu")
+    assert not hasattr(mesh, "_PLANNED_DEVICES") and not hasattr(mesh, "plan_group_on")
 
 
 def test_the_layout_carries_the_world_parallelize_was_given() -> None:

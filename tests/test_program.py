@@ -136,6 +136,27 @@ def test_a_graph_compiled_later_gives_a_new_program() -> None:
     assert new.stages == old.stages
 
 
+def test_the_plan_is_read_from_the_programs() -> None:
+    """``zeroc.explain`` builds the Plan from the Programs the session runs (their frozen
+    records), not from the build records: dropping those changes nothing, and a Program
+    replaced by one without its record takes its rows out of the plan."""
+    compiled = torch.compile(make_gpt(), backend="zeroc")
+    compiled(*batch(4)).backward()
+    session = _session(compiled)
+    program = session.programs["g0"]
+    assert {g.name for g in program.record.graphs} == {"g0.forward", "g0.backward"}
+    assert program.record.kernels and program.record.passes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        program.record.kernels = ()  # type: ignore[misc]
+    before = zeroc.explain(compiled).to_json()
+    session.building.clear()
+    assert zeroc.explain(compiled).to_json() == before
+    session.programs["g0"] = dataclasses.replace(
+        program, record=dataclasses.replace(program.record, kernels=(), passes=()))
+    plan = zeroc.explain(compiled)
+    assert not plan.kernels and not plan.passes and len(plan.graphs) == 3  # joint, F, B
+
+
 def test_pass_check_finds_an_inconsistent_program() -> None:
     model = make_gpt()
     compiled = torch.compile(model, backend="zeroc")

@@ -112,7 +112,6 @@ def compile_dynamo_graph(
     input_names = _input_names(gm)
     # ZeRO-1 parameters use stage-0 ops: the model's stage comes from its layout.
     layout = next((v._zeroc_layout for v in example_inputs if hasattr(v, "_zeroc_layout")), None)
-    record.layout = layout
     session.add(record)
     # What eager's backward would reach, read before any zeroc pass can change the graph.
     expected, param_names = _trainable(gm, example_inputs)
@@ -124,7 +123,6 @@ def compile_dynamo_graph(
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         joint = compiler.joint(joint, keep_graph=True)
-        record.num_fwd_outputs = num_fwd_outputs
         _check_joint_gradients(joint, num_fwd_outputs, expected, param_names, prefix)
         return compiler.partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                   **kwargs)

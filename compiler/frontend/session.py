@@ -2,8 +2,10 @@
 
 Every ``torch.compile(..., backend="zeroc")`` call (``model.compile(...)`` too) makes one
 compile wrapper object in torch; zeroc keeps one ``CompileSession`` on it. Each Dynamo graph
-compiled under it (graph breaks, recompiles) adds a ``CompiledGraph``. ``zeroc.explain`` goes
-from the compiled model or function to that wrapper and builds the Plan.
+compiled under it (graph breaks, recompiles) adds a ``Program`` (built with a mutable
+``CompiledGraph`` record, frozen into the Program each time the Program changes).
+``zeroc.explain`` goes from the compiled model or function to that wrapper and builds the
+Plan from the session's Programs.
 
 How the wrapper is found, on both sides, without the Python call stack (torch 2.11 and 2.13
 expose the same attributes; ``tests/test_explain_forms.py`` covers every one of them):
@@ -29,7 +31,7 @@ from typing import Any
 
 from zeroc.frontend.config import Config
 from zeroc.runtime.plan.records import CollectiveInfo, GraphInfo, KernelInfo, ParamInfo, PassInfo
-from zeroc.runtime.program import Program
+from zeroc.runtime.program import Program, ProgramRecord, frozen_mapping
 
 SESSION_ATTR = "_zeroc_session"
 _CHAIN = "_torchdynamo_orig_backend"
@@ -37,16 +39,15 @@ _CHAIN = "_torchdynamo_orig_backend"
 
 @dataclasses.dataclass
 class CompiledGraph:
-    """The mutable build record of one Dynamo graph while it compiles (frozen into the Plan)."""
+    """The mutable build record of one Dynamo graph while it compiles; ``frozen()`` is the
+    ``ProgramRecord`` its Program carries (the session re-freezes it on every Program change)."""
 
     prefix: str
     params: tuple[ParamInfo, ...]
     device: str = "cpu"
     zero: int = -1  # ZeRO stage of the graph's parameters; -1: not parallelized
     zero_group: str = ""
-    layout: Any = None  # the ZeroLayout of the graph's parameters (not part of the Plan)
     joint: GraphInfo | None = None
-    num_fwd_outputs: int = 0
     saved_bytes: int = 0
     transient_bytes: int = 0
     graphs: list[GraphInfo] = dataclasses.field(default_factory=list)
@@ -57,41 +58,77 @@ class CompiledGraph:
     output_code: dict[str, str] = dataclasses.field(default_factory=dict)
     # Graphs whose collectives Inductor ran in another order than zeroc's graph has them.
     collectives_moved: list[str] = dataclasses.field(default_factory=list)
+    # Called after a change made once the Program was set (a graph Inductor compiles on its
+    # first call): the session freezes the record into a new Program.
+    on_change: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def changed(self) -> None:
+        """This record changed after its Program was set: the Program gets it anew."""
+        if self.on_change is not None:
+            self.on_change()
+
+    def frozen(self) -> ProgramRecord:
+        """This record as it stands now, frozen (the same info objects: a kernel's measured
+        launch configuration is found by its identity)."""
+        return ProgramRecord(
+            params=tuple(self.params), device=self.device, zero=self.zero,
+            zero_group=self.zero_group, joint=self.joint, graphs=tuple(self.graphs),
+            kernels=tuple(self.kernels), collectives=tuple(self.collectives),
+            passes=tuple(self.passes), saved_bytes=self.saved_bytes,
+            transient_bytes=self.transient_bytes, output_code=frozen_mapping(self.output_code),
+            collectives_moved=tuple(self.collectives_moved))
 
 
 @dataclasses.dataclass
 class CompileSession:
     """All graphs compiled under one ``torch.compile`` call, with the Config they used.
 
-    ``records`` are the build records of the plan (graphs, passes, kernels, collectives);
-    ``programs`` the frozen ``Program`` each Dynamo graph runs, by its prefix (``g0``), as it
-    stands now: a Program is never changed, so a graph compiled later (pp = 1's backward, on
-    the first backward) gives a new Program in its place; ``executors`` what runs each
-    pipelined Program (its timings are what the plan shows as measured).
+    ``programs`` are the frozen ``Program`` each Dynamo graph runs, by its prefix (``g0``), as
+    it stands now: a Program is never changed, so a graph compiled later (pp = 1's backward,
+    on the first backward) gives a new Program in its place, with its build record frozen
+    again (``Program.record``: what the Plan reads). ``building`` are those records while
+    they are written, by prefix; ``executors`` what runs each pipelined Program (its timings
+    are what the plan shows as measured).
     """
 
     config: Config
-    records: list[CompiledGraph] = dataclasses.field(default_factory=list)
+    building: dict[str, CompiledGraph] = dataclasses.field(default_factory=dict)
     programs: dict[str, Program] = dataclasses.field(default_factory=dict)
     executors: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def next_graph_index(self) -> int:
-        return len(self.records)
+        return len(self.building)
 
     def add(self, record: CompiledGraph) -> None:
-        self.records.append(record)
+        """``record`` is written while its Dynamo graph compiles (its prefix is new)."""
+        self.building[record.prefix] = record
+        record.on_change = lambda: self._refresh(record.prefix)
+
+    def _refresh(self, prefix: str) -> None:
+        if prefix in self.programs:
+            self.programs[prefix] = self._recorded(self.programs[prefix])
+
+    def _recorded(self, program: Program) -> Program:
+        record = self.building.get(program.name)
+        return program if record is None else dataclasses.replace(program,
+                                                                  record=record.frozen())
 
     def set_program(self, program: Program, executor: Any = None) -> None:
         """``program`` is what its Dynamo graph runs from now on (``executor`` runs it, for a
-        pipelined one)."""
-        self.programs[program.name] = program
+        pipelined one), with its build record as it stands."""
+        self.programs[program.name] = self._recorded(program)
         if executor is not None:
             self.executors[program.name] = executor
 
     def add_graph(self, program_name: str, name: str, graph: Any) -> None:
         """A graph of ``program_name`` compiled after its Program was built: a new Program
-        with it takes that Program's place."""
-        self.programs[program_name] = self.programs[program_name].with_graph(name, graph)
+        with it (and the record's rows of it) takes that Program's place."""
+        self.programs[program_name] = self._recorded(
+            self.programs[program_name].with_graph(name, graph))
+
+    def records(self) -> list[ProgramRecord]:
+        """The build records of the Programs, in compile order (what the Plan reads)."""
+        return [p.record for p in self.programs.values()]
 
     def pipelined(self) -> Program | None:
         """The pipelined (pp > 1) Program of this session, if it compiled one (the latest)."""

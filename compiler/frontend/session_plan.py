@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.frontend.session import SESSION_ATTR, CompiledGraph, CompileSession, compiled_regions
+from zeroc.frontend.session import SESSION_ATTR, CompileSession, compiled_regions
 from zeroc.runtime.cost.cost import ADAM_STATES
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan.plan import PLAN_FORMAT, Plan, PlanMeta, launched
@@ -23,6 +23,7 @@ from zeroc.runtime.plan.records import (
     ParamInfo,
     StageInfo,
 )
+from zeroc.runtime.program import ProgramRecord, frozen_mapping
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.tune_cache import layout_match
 
@@ -64,7 +65,7 @@ def session_of(compiled: Any) -> CompileSession:
              if getattr(w, SESSION_ATTR, None) is None}
     sessions = [(path, getattr(w, SESSION_ATTR)) for path, w in regions
                 if getattr(w, SESSION_ATTR, None) is not None]
-    sessions = [(path, s) for path, s in sessions if s.records]
+    sessions = [(path, s) for path, s in sessions if s.programs]
     if not sessions:
         other = sorted(n for n in names if not n.startswith("zeroc"))
         if other:
@@ -95,15 +96,17 @@ def session_of(compiled: Any) -> CompileSession:
                 f"on its own, e.g. zeroc.explain(model.get_submodule({path!r}))")
     merged = CompileSession(config)
     for path, session in sessions:
-        merged.records += [_in_region(record, path) for record in session.records]
+        for name, program in session.programs.items():
+            merged.programs[f"{path}.{name}" if path else name] = dataclasses.replace(
+                program, record=_in_region(program.record, name, path))
     return merged
 
 
-def _in_region(record: CompiledGraph, region: str) -> CompiledGraph:
-    """``record`` with every name it gives under the module path ``region``."""
+def _in_region(record: ProgramRecord, prefix: str, region: str) -> ProgramRecord:
+    """``record`` (of the Program ``prefix``) with every name it gives under the module path
+    ``region``."""
     if not region:
         return record
-    prefix = record.prefix
 
     def name(text: str) -> str:
         return f"{region}.{text}" if text == prefix or text.startswith(f"{prefix}.") else text
@@ -112,23 +115,23 @@ def _in_region(record: CompiledGraph, region: str) -> CompiledGraph:
         return dataclasses.replace(info, name=name(info.name))
 
     return dataclasses.replace(
-        record, prefix=name(prefix),
+        record,
         params=tuple(dataclasses.replace(p, name=f"{region}.{p.name}") for p in record.params),
         joint=None if record.joint is None else graph(record.joint),
-        graphs=[graph(g) for g in record.graphs],
-        kernels=[dataclasses.replace(launched(k), name=name(k.name), graph=name(k.graph))
-                 for k in record.kernels],
-        collectives=[dataclasses.replace(c, name=name(c.name), graph=name(c.graph))
-                     for c in record.collectives],
-        passes=[dataclasses.replace(p, graph=name(p.graph)) for p in record.passes],
-        output_code={name(k): v for k, v in record.output_code.items()},
-        collectives_moved=[name(g) for g in record.collectives_moved],
+        graphs=tuple(graph(g) for g in record.graphs),
+        kernels=tuple(dataclasses.replace(launched(k), name=name(k.name), graph=name(k.graph))
+                      for k in record.kernels),
+        collectives=tuple(dataclasses.replace(c, name=name(c.name), graph=name(c.graph))
+                          for c in record.collectives),
+        passes=tuple(dataclasses.replace(p, graph=name(p.graph)) for p in record.passes),
+        output_code=frozen_mapping({name(k): v for k, v in record.output_code.items()}),
+        collectives_moved=tuple(name(g) for g in record.collectives_moved),
     )
 
 
 def _unique_params(session: CompileSession) -> tuple[ParamInfo, ...]:
     seen: dict[str, ParamInfo] = {}
-    for record in session.records:
+    for record in session.records():
         for param in record.params:
             seen.setdefault(param.name, param)
     return tuple(seen.values())
@@ -214,11 +217,12 @@ def _world_mesh_zero(session: CompileSession, layout: ZeroLayout | None = None,
     if layout is not None:
         mesh = (("pp", layout.pp), ("dp", layout.dp)) if layout.world > 1 else ()
         return layout.world, mesh, layout.zero
-    zero = max((r.zero for r in session.records), default=-1)
+    records = session.records()
+    zero = max((r.zero for r in records), default=-1)
     if zero < 0 or not dist.is_initialized():
         return 1, (), zero
     world = dist.get_world_size()
-    group = resolve_group(session.records[0].zero_group)
+    group = resolve_group(records[0].zero_group)
     dp = 1 if group is None else dist.get_world_size(group)
     return world, (("pp", world // dp), ("dp", dp)), zero
 
@@ -238,28 +242,32 @@ def _step_collectives(layout: ZeroLayout) -> tuple[CollectiveInfo, ...]:
 
 
 def build_plan(session: CompileSession) -> Plan:
-    """Freeze a session's records into a Plan (one stage; a memory row per data-parallel rank);
-    a pipelined session's stages, schedule and memory come from the Program that runs and what
-    its executor measured (``zeroc.pipeline.pipeline_plan``).
+    """The Plan of the Programs a session runs (their records: graphs, kernels, collectives,
+    passes) and what was measured (kernel launches; one stage; a memory row per data-parallel
+    rank); a pipelined session's stages, schedule and memory come from its pipelined Program
+    and what its executor measured (``zeroc.pipeline.pipeline_plan``).
 
     Kernels are renamed ``<graph>.<name>`` so every name is unique in the plan; collectives
     get the mesh dimension their group belongs to; parameters their shape in the model.
     """
     zeroc_version, torch_version, triton_version = _versions()
-    graphs = tuple(g for r in session.records for g in ([r.joint] if r.joint else []) + r.graphs)
-    layout = next((r.layout for r in session.records if r.layout is not None), None)
+    records = session.records()
+    graphs = tuple(g for r in records for g in ((r.joint,) if r.joint else ()) + r.graphs)
+    # The model's ZeRO layout as a pp = 1 Program holds it (a pipeline's is its own).
+    layout = next((p.zero for p in session.programs.values()
+                   if p.schedule is None and p.zero is not None), None)
     pipeline = session.pipelined()  # the Program that runs (pp > 1), if any
     mesh_layout = layout if layout is not None else getattr(pipeline, "zero", None)
     params = _with_full_shapes(_unique_params(session), mesh_layout)
     param_bytes = sum(p.bytes for p in params)
     forward_flops = sum(g.flops for g in graphs if g.kind in ("forward", "inference"))
-    saved = sum(r.saved_bytes for r in session.records)
-    activations = saved + max((r.transient_bytes for r in session.records), default=0)
+    saved = sum(r.saved_bytes for r in records)
+    activations = saved + max((r.transient_bytes for r in records), default=0)
     modules = tuple(dict.fromkeys(p.name.split(".")[0] for p in params))
     full_numel, full_bytes = _full_size(params)
     stage = StageInfo(index=0, modules=modules, params=full_numel, param_bytes=full_bytes,
                       flops=forward_flops, activation_bytes=saved)
-    collectives = tuple(c for r in session.records for c in r.collectives)
+    collectives = tuple(c for r in records for c in r.collectives)
     if layout is not None:
         collectives += _step_collectives(layout)
     collectives = _with_mesh_dims(collectives, mesh_layout)
@@ -268,7 +276,7 @@ def build_plan(session: CompileSession) -> Plan:
     graph_hash = hashlib.sha256(
         "\n".join(g.code for g in graphs if g.kind != "joint").encode()).hexdigest()[:16]
     config = session.config
-    devices = {str(r.device) for r in session.records}
+    devices = {str(r.device) for r in records}
     world, mesh, zero = _world_mesh_zero(session, mesh_layout)
     meta = PlanMeta(
         format=PLAN_FORMAT,
@@ -291,10 +299,10 @@ def build_plan(session: CompileSession) -> Plan:
         graphs=graphs,
         stages=(stage,),
         params=params,
-        kernels=_unique_kernels([k for r in session.records for k in r.kernels]),
+        kernels=_unique_kernels([k for r in records for k in r.kernels]),
         collectives=collectives,
         memory=_memory_rows(layout, param_bytes, activations, moved),
-        passes=tuple(p for r in session.records for p in r.passes),
+        passes=tuple(p for r in records for p in r.passes),
     )
     if pipeline is not None:  # pp > 1: stages, schedule grid and measured step
         from zeroc.pipeline.pipeline_plan import pipeline_plan

@@ -103,7 +103,8 @@ def clip_grad_norm_(
         full_tensor = getattr(norm, "full_tensor", None)
         return full_tensor() if callable(full_tensor) else norm
     owned = [p.grad for p in params if owned_here(sharded_of(p), layout.mesh.pp_index)]
-    device = params[0].grad.device if params else None
+    device = (params[0].grad.device if params else
+              layout.planned.device if layout.planned is not None else None)
     total = pipeline_norm(layout, owned, norm_type, error_if_nonfinite, foreach, device)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total

@@ -78,10 +78,11 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
             "a separate process (python -m zeroc explain ...)")
     if device == "cuda":
         ensure_fake_cuda()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    from zeroc.runtime.mesh import build_mesh, plan_group_on
-
-    plan_group_on(planned_device(device))  # what group_device() answers in this world
+    # The fake backend for the devices the planned job's group serves, as torch configures a
+    # real one ("cpu:gloo,cuda:nccl"): group_device() reads the planned device from it.
+    backend = "cpu:fake,cuda:fake" if device == "cuda" else "cpu:fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
+    from zeroc.runtime.mesh import build_mesh
 
     build_mesh(pp, None, device)  # on real tensors (it reads its rank table); parallelize reuses it
     mode = FakeTensorMode(allow_non_fake_inputs=False)
