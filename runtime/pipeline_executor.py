@@ -48,7 +48,7 @@ from zeroc.runtime.p2p import exchange_and_sum
 from zeroc.runtime.pipeline_inputs import check_same_shapes
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
-from zeroc.runtime.pipeline_zero import StepZero
+from zeroc.runtime.pipeline_zero import StepZero, zero_order
 from zeroc.runtime.program import PipelineLayout, Program, StageProgram
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
@@ -79,14 +79,18 @@ class PipelineExecutor:
         self.stages, self.last_stage = stages, layout.schedule.num_stages - 1
         self.steps = 0
         self._clock: StepClock | None = None  # made at the first step, on its device
-        self.zero = StepZero(layout.hoisted, {s: p.param_inputs for s, p in stages.items()},
-                             layout.bucket_mb) if layout.hoisted else None
         self.groups = {
             train: [p2p_groups(rank_actions) for rank_actions in schedule.actions]
             for train, schedule in ((True, layout.schedule), (False, layout.forward_schedule))
         }
         # Made once (module docstring): profiler names, message plans, the closing all-gather.
         position = layout.position
+        stage_params = {s: p.param_inputs for s, p in stages.items()}
+        self.zero = StepZero(
+            layout.hoisted,
+            {train: zero_order(tuple(groups[position]), stage_params, layout.hoisted)
+             for train, groups in self.groups.items()},
+            layout.bucket_mb, layout.prefetch) if layout.hoisted else None
         self.profile_names = {
             train: tuple(PROFILE_PREFIX + group_label(g) for g in groups[position])
             for train, groups in self.groups.items()
@@ -137,8 +141,8 @@ class PipelineExecutor:
                           layout.host_group_name, layout.global_ranks)
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
         self._scale = self.sync.loss_scale(inputs, device)
-        if self.zero is not None:
-            self.zero.begin()
+        if self.zero is not None:  # the first gathers are issued now (prefetch)
+            self.zero.begin(inputs, train)
         self.messages.begin(device)
         self._inbox_f, self._inbox_b = self.messages.inbox["F"], self.messages.inbox["B"]
         my_groups = self.groups[train][self.layout.position]
@@ -149,12 +153,16 @@ class PipelineExecutor:
         marks: list[Any] = []  # per group: start, compute start (after waiting), end
         names = self.profile_names[train] if profiling() else None
         with torch.no_grad(), tracking_scope():
+            # A stage's gradient reductions are issued as soon as they are complete.
+            early_reduce = self.zero is not None and train and reduce
             for position, group in enumerate(my_groups):
                 if names is None:
                     self._run_group(position, group, plans, clock, marks)
                 else:
                     with record(names[position]):
                         self._run_group(position, group, plans, clock, marks)
+                if early_reduce:
+                    self.zero.reduce_ready(position, self._grads, inputs)
             self.messages.end()
             clock.step_done(marks, train)
             with record(_SYNC):

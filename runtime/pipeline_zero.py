@@ -1,35 +1,47 @@
-"""ZeRO once per pipeline step: gather a stage's parameters before its first micro-batch and
-reduce its gradients after its last backward (torch pipelining's UNSHARD / REDUCE_GRAD).
+"""ZeRO once per pipeline step, overlapped with the step's compute: gather a stage's
+parameters ahead of its first micro-batch and reduce its gradients as soon as its last backward
+made them (torch pipelining's UNSHARD / REDUCE_GRAD, issued asynchronously).
 
 Inside a stage graph a ZeRO parameter is gathered where it is used and its gradient reduced
 where it is complete, so a pipeline step with N micro-batches would gather and reduce N times.
 With ``pp_reshard=False`` the compiler takes the ``zeroc::unshard`` of every parameter out of
 the stage graphs (``passes/hoist_unshard.py``): the graphs read the full parameter and
-return its full gradient. ``StepZero`` then, for this rank's stages,
+return its full gradient. ``StepZero`` then, for this rank's stages, in the order a
+``ZeroOrder`` gives (made once from this rank's schedule by the executor):
 
-- ``gather(stage, inputs)``: on the first micro-batch of ``stage``, all-gathers the shards of
-  its parameters, packed in buckets of at most ``bucket_mb`` MiB per (group, ZeRO stage,
-  dtype), one ``all_gather_into_tensor`` per bucket; the full parameters live until the end
-  of the step.
-- ``reduce(grads, inputs)``: after the last backward, the full gradients summed over the
-  micro-batches (and over the micro-steps without sync before it: ``zeroc.pipeline.pipelined_step``)
-  are cast to ``reduce_dtype``, packed rank-major in buckets and reduced once:
-  ``reduce_scatter_tensor`` at ZeRO-2/3, ``all_reduce`` for whole parameters; each
-  parameter's gradient becomes this rank's shard averaged over the data-parallel ranks, in
-  the shard's dtype.
+- gathers: the shards of each stage's parameters are packed in buckets of at most
+  ``bucket_mb`` MiB per (group, ZeRO stage, dtype), one ``all_gather_into_tensor`` per
+  bucket, issued with ``async_op=True`` in the order the stages first run a forward. The
+  first ``prefetch`` buckets are issued when the step begins; ``gather(stage)``, at the
+  stage's first forward, issues the stage's own buckets and ``prefetch`` more beyond them,
+  then waits for its own only: the next stage's gather is in flight while this one computes.
+  The full parameters live until the end of the step (RESHARD), as the plan's memory says.
+- reductions: after the action group that completes a set of parameters' gradients (the last
+  B or W of every stage of this rank reading them), ``reduce_ready`` casts them to
+  ``reduce_dtype``, packs them rank-major in buckets and issues one asynchronous
+  ``reduce_scatter_tensor`` (ZeRO-2/3) or ``all_reduce`` (whole parameters) per bucket; the
+  full gradients are dropped then. ``reduce`` at the end of the step waits for them (and
+  reduces, blocking, whatever was not issued yet: a step that accumulates without sync hands
+  its sum here), and each parameter's gradient becomes this rank's shard averaged over the
+  data-parallel ranks, in the shard's dtype.
 
-Every step issues ``gather_buckets`` all-gathers and ``reduce_buckets`` reductions, whatever
-the number of micro-batches; ``counts`` keeps what the last step issued.
+Every rank of a data-parallel group runs the same position's schedule, so each issues the same
+collectives in the same order (NCCL's in-order matching). An asynchronous collective's input
+and output are held until it is waited for (the caching allocator must not reuse them while the
+communication stream reads them). Every step issues ``gather_buckets`` all-gathers and
+``reduce_buckets`` reductions, whatever the number of micro-batches; ``counts`` keeps what the
+last step issued.
 
-While a ``torch.profiler`` records, each bucket's collective runs inside
-``record_function``: ``zeroc/step_gather_s<stage>_<n>`` (the plan's collective names) and
-``zeroc/step_reduce_<n>`` (the step reduces every stage's buckets together).
+While a ``torch.profiler`` records, each bucket's collective is issued inside
+``record_function``: ``zeroc/step_gather_s<stage>_<n>`` and ``zeroc/step_reduce_s<stage>_<n>``
+(the plan's collective names).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,7 +55,7 @@ from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 from zeroc.runtime.zero_ops import group_size
 
-__all__ = ["HoistedParam", "StepZero"]
+__all__ = ["HoistedParam", "StepZero", "ZeroOrder", "zero_order"]
 
 log = logging.getLogger(__name__)
 
@@ -88,28 +100,103 @@ def _buckets(params: list[tuple[HoistedParam, torch.Tensor]], cap_bytes: float,
     return buckets
 
 
+@dataclasses.dataclass(frozen=True)
+class ZeroOrder:
+    """When this rank's per-step collectives are issued, from its schedule.
+
+    ``gathers``: per stage in the order of its first forward, the hoisted parameters it
+    gathers (a parameter two stages read is gathered by the first); ``reduces``: action group
+    position -> (stage, the parameters whose gradients are complete after that group)."""
+
+    gathers: tuple[tuple[int, tuple[int, ...]], ...]
+    reduces: Mapping[int, tuple[int, tuple[int, ...]]]
+
+    def reduce_stage(self) -> dict[int, int]:
+        """Parameter -> the stage whose buckets reduce it."""
+        return {i: stage for stage, indices in self.reduces.values() for i in indices}
+
+
+def zero_order(groups: tuple[tuple[Any, ...], ...], stage_params: Mapping[int, tuple[int, ...]],
+               hoisted: Mapping[int, HoistedParam]) -> ZeroOrder:
+    """The ``ZeroOrder`` of one rank's action ``groups`` (``runtime/actions.p2p_groups``):
+    stages gather in the order of their first forward; a parameter's gradient is complete
+    after the last group that runs a B or W (an FB's backward part included) of any stage of
+    this rank reading it."""
+    first_forward: list[int] = []
+    last_backward: dict[int, int] = {}
+    for position, group in enumerate(groups):
+        for action in group:
+            for part in action.parts():
+                kind = part.kind.value
+                if kind == "F" and part.stage not in first_forward:
+                    first_forward.append(part.stage)
+                elif kind in ("B", "W"):
+                    last_backward[part.stage] = position
+    gathers, taken = [], set()
+    for stage in first_forward:
+        mine = tuple(i for i in stage_params.get(stage, ()) if i in hoisted and i not in taken)
+        taken.update(mine)
+        gathers.append((stage, mine))
+    complete: dict[int, tuple[int, int]] = {}  # parameter -> (position, stage)
+    for stage, position in last_backward.items():
+        for index in stage_params.get(stage, ()):
+            if index in hoisted:
+                complete[index] = max(complete.get(index, (-1, -1)), (position, stage))
+    reduces: dict[int, tuple[int, list[int]]] = {}
+    for index, (position, stage) in sorted(complete.items()):
+        reduces.setdefault(position, (stage, []))[1].append(index)
+    return ZeroOrder(tuple(gathers), {p: (s, tuple(i)) for p, (s, i) in sorted(reduces.items())})
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An issued asynchronous collective, with what it reads and writes (held until waited)."""
+
+    work: Any
+    bucket: list[tuple[HoistedParam, torch.Tensor]]
+    output: torch.Tensor
+    source: torch.Tensor
+    divisor: int
+
+
+def _wait(work: Any) -> None:
+    if work is not None:
+        work.wait()
+
+
 class StepZero:
     """Per-step gathers and reductions of one rank's stage parameters (module docstring)."""
 
-    def __init__(self, hoisted: dict[int, HoistedParam],
-                 stage_params: dict[int, tuple[int, ...]], bucket_mb: float) -> None:
+    def __init__(self, hoisted: dict[int, HoistedParam], orders: Mapping[bool, ZeroOrder],
+                 bucket_mb: float, prefetch: int = 1) -> None:
         self.hoisted = hoisted
-        self.stage_params = {s: tuple(i for i in idx if i in hoisted)
-                             for s, idx in stage_params.items()}
+        self.orders = orders  # by training (True) or forward-only (False) step
         self.cap = bucket_mb * 2**20
+        self.prefetch = max(0, int(prefetch))
         self.full: dict[int, torch.Tensor] = {}
         self.counts = {"all_gather": 0, "reduce": 0}
-        self._gathered: set[int] = set()
-        log.debug("zeroc: ZeRO once per step for %d parameters of stages %s, buckets of %g MiB",
-                  len(hoisted), sorted(self.stage_params), bucket_mb)
+        self._queue: list[tuple[int, int, list[tuple[HoistedParam, torch.Tensor]]]] = []
+        self._issued = 0
+        self._gathering: dict[int, list[tuple[Any, list, torch.Tensor, torch.Tensor]]] = {}
+        self._done: set[int] = set()
+        self._reducing: list[tuple[int, int, _Pending]] = []
+        log.debug("zeroc: ZeRO once per step for %d parameters, buckets of %g MiB, %d "
+                  "gather buckets prefetched", len(hoisted), bucket_mb, self.prefetch)
 
     def collectives(self, inputs: list[Any], graph: str) -> list[CollectiveInfo]:
-        """The per-step collectives this rank issues, as the plan lists them."""
+        """The per-step collectives this rank issues in a training step, as the plan lists
+        them: the buckets ``begin``/``gather`` and ``reduce_ready`` make, in issue order."""
+        order = self.orders[True]
         infos = []
-        for stage, indices in sorted(self.stage_params.items()):
-            params = [(self.hoisted[i], inputs[i]) for i in indices]
-            for kind, dtype_of in (("gather", lambda p, t: p.param_dtype or t.dtype),
-                                   ("reduce", lambda p, t: p.reduce_dtype or t.dtype)):
+        gather_of = {stage: indices for stage, indices in order.gathers}
+        reduce_of: dict[int, list[int]] = {}
+        for stage, indices in order.reduces.values():
+            reduce_of.setdefault(stage, []).extend(indices)
+        for stage in sorted(set(gather_of) | set(reduce_of)):
+            for kind, indices, dtype_of in (
+                    ("gather", gather_of.get(stage, ()), lambda p, t: p.param_dtype or t.dtype),
+                    ("reduce", reduce_of.get(stage, ()), lambda p, t: p.reduce_dtype or t.dtype)):
+                params = [(self.hoisted[i], inputs[i]) for i in sorted(indices)]
                 for n, bucket in enumerate(_buckets(params, self.cap, dtype_of)):
                     first, ranks = bucket[0][0], bucket[0][0].ranks()
                     dtype = dtype_of(*bucket[0])
@@ -118,8 +205,9 @@ class StepZero:
                     if kind == "gather":
                         if ranks == 1:
                             continue
-                        op, moved, where = "all_gather", ranks * numel * size, (
-                            f"first F of s{stage}", f"first F of s{stage}")
+                        op, moved = "all_gather", ranks * numel * size
+                        where = (f"before F of s{stage} (prefetch {self.prefetch})",
+                                 f"first F of s{stage}")
                     else:
                         if not first.group_name or group_size(first.group_name) == 1:
                             continue
@@ -133,67 +221,123 @@ class StepZero:
                         dtype=str(dtype).removeprefix("torch.")))
         return infos
 
-    def begin(self) -> None:
-        """Start a step: nothing is gathered yet."""
+    # -- gathers ------------------------------------------------------------------------------
+
+    def begin(self, inputs: list[Any], train: bool = True) -> None:
+        """Start a step: queue every gather bucket in first-forward order, issue the first
+        ``prefetch``."""
         self.full.clear()
-        self._gathered.clear()
+        self._done.clear()
+        self._gathering.clear()
+        self._reducing.clear()
         self.counts = {"all_gather": 0, "reduce": 0}
+        self._queue, self._issued = [], 0
+        for stage, indices in self.orders[train].gathers:
+            params = [(self.hoisted[i], inputs[i]) for i in indices]
+            for n, bucket in enumerate(_buckets(params, self.cap,
+                                                lambda p, t: p.param_dtype or t.dtype)):
+                self._queue.append((stage, n, bucket))
+        self._issue_until(self.prefetch)
+
+    def _issue_until(self, count: int) -> None:
+        """Issue queued gather buckets until ``count`` of them have been issued."""
+        with allocation_label("gather"):  # the full parameters are made here, and only here
+            while self._issued < min(count, len(self._queue)):
+                stage, n, bucket = self._queue[self._issued]
+                self._issued += 1
+                name = f"{PROFILE_PREFIX}step_gather_s{stage}_{n}" if profiling() else ""
+                issued = self._gather_bucket(bucket, name)
+                if issued is not None:
+                    self._gathering.setdefault(stage, []).append(issued)
+
+    def gather(self, stage: int, inputs: list[Any] | None = None) -> None:
+        """Make ``stage``'s hoisted parameters whole (its first forward of the step): issue its
+        buckets and ``prefetch`` more, wait for its own."""
+        if stage in self._done:
+            return
+        self._done.add(stage)
+        last = max((k for k, (s, _, _) in enumerate(self._queue) if s == stage), default=-1)
+        self._issue_until(last + 1 + self.prefetch)
+        for work, bucket, rows, source in self._gathering.pop(stage, ()):
+            _wait(work)
+            del source  # held until here: the collective read it
+            self._unpack_gathered(bucket, rows)
+
+    def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
+                       profile_name: str = "",
+                       ) -> tuple[Any, list, torch.Tensor, torch.Tensor] | None:
+        first = bucket[0][0]
+        shards = [t.detach().to(p.param_dtype) if p.param_dtype else t.detach()
+                  for p, t in bucket]
+        ranks = first.ranks()
+        if ranks == 1:  # whole parameters: the graph reads a view of each, nothing moves
+            for (param, _), shard in zip(bucket, shards, strict=True):
+                self.full[param.index] = shard[:param.numel].view(param.shape)
+            return None
+        packed = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
+        gathered = packed.new_empty(ranks * packed.numel())
+        with record(profile_name):
+            work = all_gather_single(gathered, packed, group=resolve_group(first.group_name),
+                                     async_op=True)
+        self.counts["all_gather"] += 1
+        return work, bucket, gathered.view(ranks, -1), packed
+
+    def _unpack_gathered(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
+                         rows: torch.Tensor) -> None:
+        offset = 0
+        for param, shard in bucket:
+            width = shard.numel()
+            flat = rows[:, offset:offset + width].reshape(-1)
+            offset += width
+            self.full[param.index] = flat[:param.numel].view(param.shape)
 
     def end(self) -> None:
-        """End a step: the full parameters are dropped (RESHARD)."""
+        """End a step: the full parameters are dropped (RESHARD); nothing is left in flight."""
+        for pending in self._gathering.values():
+            for work, *_ in pending:
+                _wait(work)
+        for _, _, pending in self._reducing:
+            _wait(pending.work)
         self.full.clear()
-        self._gathered.clear()
+        self._gathering.clear()
+        self._reducing.clear()
+        self._done.clear()
 
     def parameter(self, index: int, inputs: list[Any]) -> Any:
         """The value a stage graph reads for input ``index``: full if it was hoisted."""
         return self.full[index] if index in self.hoisted else inputs[index]
 
-    def gather(self, stage: int, inputs: list[Any]) -> None:
-        """All-gather ``stage``'s hoisted parameters unless this step already did."""
-        if stage in self._gathered:
-            return
-        self._gathered.add(stage)
-        todo = [(self.hoisted[i], inputs[i]) for i in self.stage_params.get(stage, ())
-                if i not in self.full]
-        buckets = _buckets(todo, self.cap, lambda p, t: p.param_dtype or t.dtype)
-        with allocation_label("gather"):  # the full parameters are made here, and only here
-            for n, bucket in enumerate(buckets):
-                self._gather_bucket(bucket, f"{PROFILE_PREFIX}step_gather_s{stage}_{n}"
-                                    if profiling() else "")
+    # -- reductions ---------------------------------------------------------------------------
 
-    def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
-                       profile_name: str = "") -> None:
-        first = bucket[0][0]
-        shards = [t.detach().to(p.param_dtype) if p.param_dtype else t.detach()
-                  for p, t in bucket]
-        ranks = first.ranks()
-        if ranks == 1:  # whole parameters: the graph reads a view of the buffer
-            for (param, _), shard in zip(bucket, shards, strict=True):
-                self.full[param.index] = shard[:param.numel].view(param.shape)
+    def reduce_ready(self, position: int, grads: dict[int, torch.Tensor], inputs: list[Any],
+                     train: bool = True) -> None:
+        """After action group ``position``: issue the reductions of the gradients it
+        completed and drop the full gradients from ``grads``."""
+        point = self.orders[train].reduces.get(position)
+        if point is None:
             return
-        widths = [s.numel() for s in shards]
-        packed = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
-        gathered = packed.new_empty(ranks * packed.numel())
-        with record(profile_name):
-            all_gather_single(gathered, packed, group=resolve_group(first.group_name))
-        self.counts["all_gather"] += 1
-        rows = gathered.view(ranks, -1)
-        offset = 0
-        for (param, _), width in zip(bucket, widths, strict=True):
-            flat = rows[:, offset:offset + width].reshape(-1)
-            offset += width
-            self.full[param.index] = flat[:param.numel].view(param.shape)
+        stage, indices = point
+        with allocation_label("gradient"):
+            self._issue_reduce(stage, [i for i in indices if i in grads], grads, inputs)
 
     def reduce(self, grads: dict[int, torch.Tensor], inputs: list[Any]) -> None:
-        """Replace each hoisted full gradient in ``grads`` by this rank's reduced shard."""
+        """Replace each hoisted full gradient in ``grads`` by this rank's reduced shard: wait
+        for the reductions issued during the step, and reduce what is left now."""
         with allocation_label("gradient"):
-            self._reduce(grads, inputs)
+            left = sorted(i for i in grads if i in self.hoisted)
+            if left:
+                self._issue_reduce(-1, left, grads, inputs)
+            for _, _, pending in self._reducing:
+                _wait(pending.work)
+                self._unpack_reduced(pending, grads, inputs)
+            self._reducing.clear()
 
-    def _reduce(self, grads: dict[int, torch.Tensor], inputs: list[Any]) -> None:
+    def _issue_reduce(self, stage: int, indices: list[int], grads: dict[int, torch.Tensor],
+                      inputs: list[Any]) -> None:
         todo = []
-        for index in sorted(i for i in grads if i in self.hoisted):
+        for index in sorted(indices):
             param = self.hoisted[index]
-            grad = grads[index].reshape(-1)
+            grad = grads.pop(index).reshape(-1)
             if param.reduce_dtype is not None:
                 grad = grad.to(param.reduce_dtype)
             # The shards are padded row-wise: the full padded size is a shard times the ranks.
@@ -201,43 +345,45 @@ class StepZero:
             if padded > grad.numel():
                 grad = torch.nn.functional.pad(grad, (0, padded - grad.numel()))
             todo.append((param, grad))
+        label = f"s{stage}_" if stage >= 0 else ""
         for n, bucket in enumerate(_buckets(todo, self.cap, lambda p, t: t.dtype)):
-            name = f"{PROFILE_PREFIX}step_reduce_{n}" if profiling() else ""
-            for param, shard in self._reduce_bucket(bucket, name):
-                grads[param.index] = shard.to(inputs[param.index].dtype)
+            name = f"{PROFILE_PREFIX}step_reduce_{label}{n}" if profiling() else ""
+            self._reducing.append((stage, n, self._reduce_bucket(bucket, name)))
 
     def _reduce_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
-                       profile_name: str = ""):
+                       profile_name: str = "") -> _Pending:
         first = bucket[0][0]
         ranks = first.ranks()
         dp = group_size(first.group_name) if first.group_name else 1
         group = resolve_group(first.group_name) if first.group_name else None
-        if ranks == 1 and dp == 1:  # one data-parallel rank: the sum is the gradient itself
-            for param, grad in bucket:
-                yield param, grad[:param.numel]
-            return
         if ranks == 1:  # whole parameters: all-reduce the concatenation
-            packed = torch.cat([g for _, g in bucket])
+            packed = torch.cat([g for _, g in bucket])  # a copy: reduced in place
+            work = None
             if group is not None and dp > 1:
                 with record(profile_name):
-                    dist.all_reduce(packed, group=group)
+                    work = dist.all_reduce(packed, group=group, async_op=True)
                 self.counts["reduce"] += 1
-            packed.div_(dp)
-            offset = 0
-            for param, grad in bucket:
-                yield param, packed[offset:offset + grad.numel()][:param.numel]
-                offset += grad.numel()
-            return
+            return _Pending(work, bucket, packed, packed, dp)
         # Rank-major: row r holds every parameter's chunk r, so the scatter hands rank r its
         # chunk of each.
         packed = torch.cat([g.view(ranks, -1) for _, g in bucket], dim=1).reshape(-1)
         shard = packed.new_empty(packed.numel() // ranks)
         with record(profile_name):
-            reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group)
+            work = reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group,
+                                         async_op=True)
         self.counts["reduce"] += 1
-        shard.div_(dp)
+        return _Pending(work, bucket, shard, packed, dp)
+
+    def _unpack_reduced(self, pending: _Pending, grads: dict[int, torch.Tensor],
+                        inputs: list[Any]) -> None:
+        shard, ranks = pending.output, pending.bucket[0][0].ranks()
+        if pending.divisor > 1:
+            shard.div_(pending.divisor)
         offset = 0
-        for param, grad in bucket:
+        for param, grad in pending.bucket:
             width = grad.numel() // ranks
-            yield param, shard[offset:offset + width]
+            value = shard[offset:offset + width]
             offset += width
+            if ranks == 1:
+                value = value[:param.numel]
+            grads[param.index] = value.to(inputs[param.index].dtype)

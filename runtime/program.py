@@ -75,6 +75,7 @@ class PipelineLayout:
     # taken out of the stage graphs, and the bucket size of the per-step collectives.
     hoisted: dict[int, HoistedParam] = dataclasses.field(default_factory=dict)
     bucket_mb: float = 25.0
+    prefetch: int = 1  # gather buckets in flight ahead of the one a stage waits for
     # The group of the pipeline's ranks for host-side checks (runtime/pipeline_inputs) and
     # the batch inputs' names for its errors.
     host_group_name: str = ""

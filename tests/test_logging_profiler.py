@@ -23,7 +23,7 @@ from models.gpt import GPT, GPTConfig
 import zeroc
 from zeroc.frontend import log_setup
 from zeroc.runtime import executor, pipeline_zero
-from zeroc.runtime.pipeline_zero import HoistedParam, StepZero
+from zeroc.runtime.pipeline_zero import HoistedParam, StepZero, ZeroOrder
 from zeroc.runtime.plan.records import PassInfo
 
 
@@ -168,24 +168,29 @@ def test_profiler_shows_per_step_zero_buckets(monkeypatch) -> None:
     # Two data-parallel ranks, faked: the collectives fill their outputs locally.
     monkeypatch.setattr(pipeline_zero, "group_size", lambda name: 2)
     monkeypatch.setattr(pipeline_zero, "resolve_group", lambda name: None)
+    done = type("Done", (), {"wait": lambda self: None})()
     monkeypatch.setattr(pipeline_zero, "all_gather_single",
-                        lambda out, inp, group=None: out.copy_(inp.repeat(2)))
+                        lambda out, inp, group=None, async_op=False: (
+                            out.copy_(inp.repeat(2)), done)[1])
     monkeypatch.setattr(pipeline_zero, "reduce_scatter_single",
-                        lambda out, inp, op=None, group=None: out.copy_(inp.view(2, -1).sum(0)))
+                        lambda out, inp, op=None, group=None, async_op=False: (
+                            out.copy_(inp.view(2, -1).sum(0)), done)[1])
     hoisted = {i: HoistedParam(index=i, name=f"w{i}", shape=(4,), numel=4, group_name="dp",
                                zero_stage=3, param_dtype=None, reduce_dtype=None)
                for i in (0, 1)}
-    zero = StepZero(hoisted, {0: (0, 1)}, bucket_mb=25.0)
+    order = ZeroOrder(gathers=((0, (0, 1)),), reduces={3: (0, (0, 1))})
+    zero = StepZero(hoisted, {True: order, False: order}, bucket_mb=25.0)
     inputs = [torch.arange(2.0), torch.arange(2.0) + 10]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        zero.begin()
+        zero.begin(inputs)
         zero.gather(0, inputs)
         grads = {0: torch.ones(4), 1: torch.full((4,), 3.0)}
+        zero.reduce_ready(3, grads, inputs)
         zero.reduce(grads, inputs)
         zero.end()
     assert zero.counts == {"all_gather": 1, "reduce": 1}
     assert torch.equal(grads[1], torch.full((2,), 3.0))  # summed over 2 ranks, averaged
-    assert {"zeroc/step_gather_s0_0", "zeroc/step_reduce_0"} <= event_names(prof)
+    assert {"zeroc/step_gather_s0_0", "zeroc/step_reduce_s0_0"} <= event_names(prof)
 
 
 def pipeline_job(rank: int, world: int) -> dict:

@@ -213,6 +213,7 @@ def _compile_pipeline(
         loss_denominator=normalization.denominator,
         hoisted=hoisted_here,
         bucket_mb=config.bucket_mb,
+        prefetch=config.prefetch,
         host_group_name=layout.mesh.pp_host_group_name,
         input_names={i: f"input {names[i]!r}" for i in batch_inputs},  # source names
     )
