@@ -258,10 +258,11 @@ class StepZero:
         self._done.add(stage)
         last = max((k for k, (s, _, _) in enumerate(self._queue) if s == stage), default=-1)
         self._issue_until(last + 1 + self.prefetch)
-        for work, bucket, rows, source in self._gathering.pop(stage, ()):
-            _wait(work)
-            del source  # held until here: the collective read it
-            self._unpack_gathered(bucket, rows)
+        with allocation_label("gather"):  # the unpacked full parameters
+            for work, bucket, rows, source in self._gathering.pop(stage, ()):
+                _wait(work)
+                del source  # held until here: the collective read it
+                self._unpack_gathered(bucket, rows)
 
     def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
                        profile_name: str = "",
