@@ -2,10 +2,11 @@
 
 The zoo lives in ``tests/models`` and is imported as ``from models.gpt import GPT``.
 
-Under ``pytest -n 2 --dist loadgroup`` (the README's command) the slow cases of the files that
-start ranks (``run_ranks``, ``torchrun``) run one after another on one worker while the other
-worker takes every other case file by file: two multi-rank cases never share the two cores,
-and a file's module fixtures are built once per worker that runs its cases.
+Under ``pytest -n 2 --dist loadgroup`` (the README's command) every file's cases run on one
+worker (one xdist group per file), so a file's module fixtures (a multi-rank harness, a
+compiled model) are built once. Multi-rank cases of two files may run at once: their ranks
+spend much of a step waiting on each other (gloo, process start), so the two cores are
+busier than when every multi-rank case runs one after another on one worker.
 ``--compile-backend NAME`` runs the compile tests against another torch.compile backend
 (e.g. ``aot_eager`` or ``inductor``) to tell a zeroc failure from a test or Dynamo problem.
 """
@@ -34,27 +35,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-_STARTS_RANKS = ("run_ranks(", "torchrun", "start_processes(")
-
-
-def _starts_ranks(path: os.PathLike[str], seen: dict[str, bool]) -> bool:
-    """Whether a test file starts several processes of its own."""
-    key = os.fspath(path)
-    if key not in seen:
-        with open(key, encoding="utf-8") as source:
-            text = source.read()
-        seen[key] = any(token in text for token in _STARTS_RANKS)
-    return seen[key]
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One xdist group for the slow cases of files that start ranks, one per file for the
-    rest."""
-    seen: dict[str, bool] = {}
+    """One xdist group per file."""
     for item in items:
-        ranks = item.get_closest_marker("slow") and _starts_ranks(item.path, seen)
-        item.add_marker(pytest.mark.xdist_group("ranks" if ranks else item.path.name))
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture
