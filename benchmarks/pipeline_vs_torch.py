@@ -23,14 +23,29 @@ Per rank: median wall and CPU time of ``--steps`` steps (barrier, forward + back
 zero_grad) after ``--warmup`` ones, ``ru_maxrss``, every step's loss (each pair must agree).
 For zeroc the executor's action timings are summed by kind (F, B, I, W, F&B, p2p).
 
+``--dp N`` (default 1) adds data parallelism: ``--world`` pipeline ranks times N replicas, on
+``world * N`` gloo ranks laid out pp-major as zeroc does (rank = pp_index * N + dp_index,
+``zeroc.runtime.mesh``). zeroc then runs ``zeroc.parallelize(model, zero=3, pp=world)``
+(per-step ZeRO-3 over each position's replicas); torch runs torchtitan's composition: a
+``DeviceMesh`` ("pp", "dp"), FSDP2 ``fully_shard`` on every block and then on each stage module
+over ``mesh["dp"]``, the stages on ``mesh["pp"]``'s group (``torch_pipelines.build_torch``).
+Replica d trains rows ``[d * B/N, (d + 1) * B/N)`` of the global batch B in ``--microbatches``
+micro-batches, on both sides, so the gradient is that of the global batch's mean loss; the
+loss reported is the mean of the replicas' losses (equal token counts: the global mean).
+
+Per rank, one extra step after the timed ones (same work, untimed: the dispatch mode slows
+every op) counts the bytes its collectives and p2p send (``torch_pipelines.CommBytes``:
+ring-algorithm estimates per rank); "MB moved per step" is the largest rank's, "all ranks"
+their sum (what a link every rank shares carries: ``benchmarks/slow_link.py``).
+
     python benchmarks/pipeline_vs_torch.py --world 2 --repeats 3 --json pipeline.json
+    python benchmarks/pipeline_vs_torch.py --world 2 --dp 2 --zeroc-options '{}' --json pp_dp.json
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -45,12 +60,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
+from models.gpt import GPTConfig, random_token_batch  # noqa: E402
+from torch_pipelines import (  # noqa: E402, F401  (StageModule, cross_entropy: re-exported)
+    StageModule,
+    build_torch,
+    count_step,
+    cross_entropy,
+    num_stages,
+    untied_gpt,
+)
 
 from zeroc.cli.launch import run_ranks  # noqa: E402
 
@@ -74,84 +96,22 @@ class Setup:
     warmup: int
     cache_dir: str
     zeroc_options: tuple[tuple[str, Any], ...] = ()  # extra compile options (--zeroc-options)
+    dp: int = 1  # data-parallel replicas (--dp); pipeline ranks = world // dp
 
 
-def untied_gpt(config: GPTConfig) -> GPT:
-    """The zoo GPT with ``lm_head.weight`` its own parameter (a copy of the embedding)."""
-    model = GPT(config, seed=0)
-    model.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
-    return model
+def replica_rows(batch: tuple[torch.Tensor, ...], replica: int, dp: int) -> tuple:
+    """Replica ``replica``'s contiguous share of the global batch's rows."""
+    per = batch[0].shape[0] // dp
+    return tuple(t[replica * per:(replica + 1) * per] for t in batch)
 
 
-def num_stages(schedule: str, world: int) -> int:
-    """Stages of ``schedule`` on ``world`` ranks: 2 per rank for dualpipev, else 1."""
-    return 2 * world if schedule == "dualpipev" else world
-
-
-class StageModule(nn.Module):
-    """One pipeline stage of a GPT: its blocks, plus embeddings (first) or ``ln_f`` + head."""
-
-    def __init__(self, gpt: GPT, stage: int, stages: int) -> None:
-        super().__init__()
-        self.first, self.last = stage == 0, stage == stages - 1
-        if self.first:
-            self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
-        per = gpt.config.n_layer // stages  # parse_args checks that it divides evenly
-        self.layers = nn.ModuleList(gpt.layers[stage * per:(stage + 1) * per])
-        if self.last:
-            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (first stage) or hidden states in; hidden states or logits (last) out."""
-        if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
-        for block in self.layers:
-            x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.last else x
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The GPT's loss on one micro-batch's logits."""
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
-
-
-def build_torch(schedule: str, setup: Setup, rank: int, world: int):
-    """Stage modules of this rank, the torch schedule and a ``step(x, y) -> loss|None``."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV
-
-    stages = num_stages(schedule, world)
-    mine = [rank, stages - 1 - rank] if schedule == "dualpipev" else [rank]
-    gpt = untied_gpt(setup.model)
-    modules = [StageModule(gpt, s, stages) for s in mine]
-    del gpt  # only this rank's stages stay alive, as in a real deployment
-    pipeline_stages = [PipelineStage(m, s, stages, torch.device("cpu"))
-                       for m, s in zip(modules, mine, strict=True)]
-    if schedule == "dualpipev":
-        runner = ScheduleDualPipeV(pipeline_stages, setup.microbatches, loss_fn=cross_entropy)
-    else:
-        runner = Schedule1F1B(pipeline_stages[0], setup.microbatches, loss_fn=cross_entropy)
-    first, last = 0 in mine, stages - 1 in mine
-    # Older torch has no return_outputs; there the last stage keeps its merged outputs.
-    extra = ({"return_outputs": False}
-             if "return_outputs" in inspect.signature(runner.step).parameters else {})
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
-        losses: list[torch.Tensor] = []
-        args = (x,) if first else ()
-        kwargs = {"target": y, "losses": losses} if last else {}
-        runner.step(*args, **extra, **kwargs)
-        return float(torch.stack(losses).detach().mean()) if last else None
-
-    return nn.ModuleList(modules), step
-
-
-def build_zeroc(schedule: str, setup: Setup, world: int):
-    """The parallelized GPT, its compiled form and a ``step(x, y) -> loss``."""
+def build_zeroc(schedule: str, setup: Setup, pp: int):
+    """The parallelized GPT, its compiled form and a ``step(x, y) -> loss``: replicated
+    parameters at dp=1 (as torch's pipelining alone), ZeRO-3 over the replicas at dp > 1."""
     import zeroc
 
-    model = zeroc.parallelize(untied_gpt(setup.model), zero=0, pp=world)
-    stages = num_stages(schedule, world)
+    model = zeroc.parallelize(untied_gpt(setup.model), zero=3 if setup.dp > 1 else 0, pp=pp)
+    stages = num_stages(schedule, pp)
     per = setup.model.n_layer // stages
     options = {"schedule": schedule, "microbatches": setup.microbatches,
                "split_points": [f"layers.{s * per}" for s in range(1, stages)],
@@ -231,17 +191,24 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
     """Build ``config`` on this rank, train, return timings, losses, memory, action times."""
     start_rss = max_rss_mb()
     system, schedule = config.split("_", 1)
+    pp, replica = world // setup.dp, rank % setup.dp  # pp-major, as zeroc lays ranks out
     torch.compiler.reset()
     compiled = None
     if system.startswith("zeroc"):
         if system == "zeroc-blocking":
             block_on_p2p()
-        model, compiled, step = build_zeroc(schedule, setup, world)
+        model, compiled, step = build_zeroc(schedule, setup, pp)
+        import zeroc
+
+        if setup.dp > 1 and zeroc.data_parallel_rank(model) != replica:
+            raise RuntimeError(f"rank {rank}: zeroc's replica {zeroc.data_parallel_rank(model)}"
+                               f" is not rank % dp = {replica}")
     else:
-        model, step = build_torch(schedule, setup, rank, world)
+        model, step = build_torch(schedule, setup.model, setup.microbatches, rank, pp, setup.dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     cfg = setup.model
-    x, y = random_token_batch(cfg.vocab_size, cfg.block_size, setup.batch, None, seed=1)
+    x, y = replica_rows(random_token_batch(cfg.vocab_size, cfg.block_size, setup.batch, None,
+                                           seed=1), replica, setup.dp)
     times, cpu_times, losses, actions = [], [], [], {}
     first_step_s, warm_rss = 0.0, start_rss
     state_bytes = 0
@@ -264,14 +231,17 @@ def train_rank(rank: int, world: int, config: str, setup: Setup) -> dict[str, An
             times.append(elapsed)
             cpu_times.append(cpu_elapsed)
             if compiled is not None:
-                add_action_times(actions, compiled, rank, elapsed)
+                add_action_times(actions, compiled, rank // setup.dp, elapsed)
+    peak_rss = max_rss_mb()
+    counter = count_step(step, compiled, optimizer, x, y)
     return {
         "times": times, "cpu_times": cpu_times, "losses": losses, "first_step_s": first_step_s,
-        "start_rss_mb": start_rss, "warm_rss_mb": warm_rss, "peak_rss_mb": max_rss_mb(),
+        "start_rss_mb": start_rss, "warm_rss_mb": warm_rss, "peak_rss_mb": peak_rss,
         "params": sum(p.numel() for p in model.parameters()),
         "optimized_params": sum(p.numel() for p in model.parameters() if p in optimizer.state),
         "action_ms": {k: 1000 * v / setup.steps for k, v in actions.items()},
-        "model_state_bytes": state_bytes,
+        "model_state_bytes": state_bytes, "replica": replica,
+        "sent_bytes": counter.sent, "sent_ops": counter.ops,
     }
 
 
@@ -298,6 +268,12 @@ class Measurement:
     wall_s: float | None = None
     error: str | None = None
     step_ms_per_repeat: list[float | None] | None = None
+    # Bytes sent per step (CommBytes, on the extra counted step), MB = 1e6 bytes.
+    mb_moved_per_step: float | None = None  # the largest rank's
+    mb_moved_per_step_total: float | None = None  # all ranks together: what a shared link carries
+    mb_moved_per_rank: list[float] | None = None
+    mb_moved_by_kind: dict[str, float] | None = None  # all ranks together, per kind
+    comm_ops_by_kind: dict[str, int] | None = None  # all ranks together, per kind
 
 
 def measure(config: str, setup: Setup, world: int, timeout: float) -> Measurement:
@@ -320,8 +296,20 @@ def measure(config: str, setup: Setup, world: int, timeout: float) -> Measuremen
     result.start_rss_mb = max(r["start_rss_mb"] for r in ranks)
     result.warm_rss_mb = max(r["warm_rss_mb"] for r in ranks)
     result.first_step_s = max(r["first_step_s"] for r in ranks)
-    # torch reports the loss on the rank holding the last stage; zeroc on every rank.
-    result.losses = next(r["losses"] for r in ranks if r["losses"][0] is not None)
+    # torch reports a replica's loss on its rank holding the last stage, zeroc on every rank
+    # of the replica; the replicas' mean is the global batch's (equal token counts).
+    replicas = {}
+    for r in ranks:
+        if r["losses"][0] is not None:
+            replicas.setdefault(r["replica"], r["losses"])
+    result.losses = [statistics.fmean(step) for step in zip(*replicas.values(), strict=True)]
+    result.mb_moved_per_rank = [sum(r["sent_bytes"].values()) / 1e6 for r in ranks]
+    result.mb_moved_per_step = max(result.mb_moved_per_rank)
+    result.mb_moved_per_step_total = sum(result.mb_moved_per_rank)
+    result.mb_moved_by_kind = {k: sum(r["sent_bytes"][k] for r in ranks) / 1e6
+                               for k in ranks[0]["sent_bytes"]}
+    result.comm_ops_by_kind = {k: sum(r["sent_ops"][k] for r in ranks)
+                               for k in ranks[0]["sent_ops"]}
     result.params_per_rank = [r["params"] for r in ranks]
     result.optimized_params_per_rank = [r["optimized_params"] for r in ranks]
     if any(r["action_ms"] for r in ranks):
@@ -380,6 +368,14 @@ def report(results: dict[str, Measurement]) -> str:
     text += "\n\n" + tabulate(rows, headers=[
         "config", "peak RSS (MiB)", "per rank", "at start", "peak after warm-up",
         "params held (M)", "params optimized (M)", "model state (MiB, max)", "per rank"])
+    rows = [[m.config, fmt(m.mb_moved_per_step, 3), per_rank(m.mb_moved_per_rank, digits=3),
+             fmt(m.mb_moved_per_step_total, 3),
+             ", ".join(f"{k} {v:.3f} ({(m.comm_ops_by_kind or {}).get(k, 0)})"
+                       for k, v in (m.mb_moved_by_kind or {}).items() if v)]
+            for m in results.values()]
+    text += "\n\n" + tabulate(rows, headers=[
+        "config", "MB moved per step (max rank)", "per rank", "all ranks",
+        "all ranks by kind: MB (ops)"])
     ratio_rows = []
     for ours, theirs in PAIRS:
         if ours not in results or theirs not in results:
@@ -390,9 +386,10 @@ def report(results: dict[str, Measurement]) -> str:
         ratio_rows.append([f"{ours} / {theirs}", ratio(a.step_median_ms, b.step_median_ms),
                            ratio(a.cpu_total_ms, b.cpu_total_ms),
                            ratio(a.peak_rss_mb, b.peak_rss_mb),
-                           ratio(a.model_state_mb, b.model_state_mb), fmt(diff, 7)])
+                           ratio(a.model_state_mb, b.model_state_mb),
+                           ratio(a.mb_moved_per_step, b.mb_moved_per_step), fmt(diff, 7)])
     text += "\n\n" + tabulate(ratio_rows, headers=[
-        "ratio of medians", "step", "CPU per step", "peak RSS", "model state",
+        "ratio of medians", "step", "CPU per step", "peak RSS", "model state", "MB moved",
         "max |loss diff| over steps"])
     for m in results.values():
         if not m.action_ms_per_rank:
@@ -412,7 +409,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="discarded steps before them")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated subset of {list(CONFIGS + ABLATIONS)}")
-    parser.add_argument("--world", type=int, default=4, help="gloo ranks = pipeline ranks")
+    parser.add_argument("--world", type=int, default=4, help="pipeline ranks (pp)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel replicas: world * dp gloo ranks (ZeRO-3 / FSDP2)")
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="interleaved repeats; the median over them is reported")
@@ -436,9 +435,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.world < 2 or args.n_layer % (2 * args.world):
         parser.error(f"--world={args.world} must be >= 2 and --n-layer={args.n_layer} a "
                      f"multiple of 2 * world (dualpipev's stages)")
-    if args.microbatches < 2 * args.world or args.batch % args.microbatches:
-        parser.error(f"--microbatches={args.microbatches} must be >= 2 * world and divide "
-                     f"--batch={args.batch}")
+    if args.dp < 1:
+        parser.error(f"--dp={args.dp} must be >= 1")
+    if args.microbatches < 2 * args.world or args.batch % (args.dp * args.microbatches):
+        parser.error(f"--microbatches={args.microbatches} must be >= 2 * world and dp * "
+                     f"microbatches (dp={args.dp}) divide --batch={args.batch}")
     return args
 
 
@@ -450,17 +451,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup = Setup(model=config, batch=args.batch, microbatches=args.microbatches,
                   steps=args.steps, warmup=args.warmup,
                   cache_dir=tempfile.mkdtemp(prefix="zeroc-bench-"),
-                  zeroc_options=tuple(sorted(json.loads(args.zeroc_options).items())))
+                  zeroc_options=tuple(sorted(json.loads(args.zeroc_options).items())),
+                  dp=args.dp)
+    ranks = args.world * args.dp
     n_params = sum(p.numel() for p in untied_gpt(config).parameters())
     load_before = os.getloadavg()
-    print(f"GPT {config} untied ({n_params / 1e6:.2f}M parameters), {args.world} gloo ranks, "
+    layout = "" if args.dp == 1 else f" (pp={args.world} x dp={args.dp})"
+    print(f"GPT {config} untied ({n_params / 1e6:.2f}M parameters), {ranks} gloo ranks{layout}, "
           f"batch {args.batch}x{args.seq} in {args.microbatches} micro-batches, torch "
           f"{torch.__version__}, {args.steps} timed steps after {args.warmup} warm-up steps, "
           f"load average {load_before[0]:.2f}", flush=True)
     repeats: dict[str, list[Measurement]] = {name: [] for name in args.configs}
     for repeat in range(args.repeats):
         for name in args.configs:
-            m = measure(name, setup, args.world, args.timeout)
+            m = measure(name, setup, ranks, args.timeout)
             repeats[name].append(m)
             print(f"  [{repeat + 1}/{args.repeats}] {name}: median {fmt(m.step_median_ms)} ms, "
                   f"peak RSS {fmt(m.peak_rss_mb, 0)} MiB, model state "
