@@ -43,7 +43,7 @@ from tabulate import tabulate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..", "tests")))
 from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 from pipeline_vs_torch import Setup, StageModule, cross_entropy, untied_gpt  # noqa: E402
 

@@ -40,7 +40,8 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(CACHE_ROOT, "induc
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                 "tests")))
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 BACKENDS = ("zeroc", "zeroc-inductor", "aot_eager", "inductor")

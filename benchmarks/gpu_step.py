@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                 "tests")))
 from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "zeroc_triton", "zeroc_inductor", "zeroc")

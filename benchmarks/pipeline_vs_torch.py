@@ -63,7 +63,8 @@ import torch.distributed as dist
 from tabulate import tabulate
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                 "tests")))
 from models.gpt import GPTConfig, random_token_batch  # noqa: E402
 from torch_pipelines import (  # noqa: E402, F401  (StageModule, cross_entropy: re-exported)
     StageModule,

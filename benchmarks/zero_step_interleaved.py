@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                 "tests")))
 from models.gpt import GPTConfig, random_token_batch  # noqa: E402
 from zero_vs_fsdp2 import CONFIGS, RATIOS, Setup, build  # noqa: E402
 

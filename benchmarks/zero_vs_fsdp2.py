@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                 "tests")))
 from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 
 from zeroc.cli.launch import run_ranks  # noqa: E402

@@ -2,11 +2,12 @@
 
 The zoo lives in ``tests/models`` and is imported as ``from models.gpt import GPT``.
 
-Under ``pytest -n 2 --dist loadgroup`` (the README's command) every file's cases run on one
+Under ``pytest -n 3 --dist loadgroup`` (the README's command) every file's cases run on one
 worker (one xdist group per file), so a file's module fixtures (a multi-rank harness, a
-compiled model) are built once. Multi-rank cases of two files may run at once: their ranks
-spend much of a step waiting on each other (gloo, process start), so the two cores are
-busier than when every multi-rank case runs one after another on one worker.
+compiled model) are built once; the files with the most slow cases start first. Multi-rank
+cases of several files may run at once: their ranks spend much of a step waiting on each
+other (gloo, process start), so the two cores are busier than when every multi-rank case
+runs one after another on one worker.
 ``--compile-backend NAME`` runs the compile tests against another torch.compile backend
 (e.g. ``aot_eager`` or ``inductor``) to tell a zeroc failure from a test or Dynamo problem.
 """
@@ -37,7 +38,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One xdist group per file."""
+    """One xdist group per file; the files with the most slow cases first (a group starts in
+    collection order: the longest files start at once, the short ones fill the end)."""
+    slow: dict[str, int] = {}
+    for item in items:
+        key = os.fspath(item.path)
+        slow[key] = slow.get(key, 0) + (1 if item.get_closest_marker("slow") else 0)
+    order = {key: n for n, key in enumerate(dict.fromkeys(os.fspath(i.path) for i in items))}
+    items.sort(key=lambda i: (-slow[os.fspath(i.path)], order[os.fspath(i.path)]))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(item.path.name))
 
