@@ -259,9 +259,9 @@ class StepZero:
         last = max((k for k, (s, _, _) in enumerate(self._queue) if s == stage), default=-1)
         self._issue_until(last + 1 + self.prefetch)
         with allocation_label("gather"):  # the unpacked full parameters
-            for work, bucket, rows, source in self._gathering.pop(stage, ()):
+            # Each entry holds the collective's input until the list is dropped, after its wait.
+            for work, bucket, rows, _input in self._gathering.pop(stage, ()):
                 _wait(work)
-                del source  # held until here: the collective read it
                 self._unpack_gathered(bucket, rows)
 
     def _gather_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
