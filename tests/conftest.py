@@ -4,10 +4,11 @@ The zoo lives in ``tests/models`` and is imported as ``from models.gpt import GP
 
 Under ``pytest -n 3 --dist loadgroup`` (the README's command) every file's cases run on one
 worker (one xdist group per file), so a file's module fixtures (a multi-rank harness, a
-compiled model) are built once; the files with the most slow cases start first. Multi-rank
-cases of several files may run at once: their ranks spend much of a step waiting on each
-other (gloo, process start), so the two cores are busier than when every multi-rank case
-runs one after another on one worker.
+compiled model) are built once. xdist (3.6+) starts the files with the most cases first;
+among equal counts, the files with the most slow cases. Multi-rank cases of several files may
+run at once: their ranks spend much of a step waiting on each other (gloo, process start), so
+the two cores are busier than when every multi-rank case runs one after another on one
+worker.
 ``--compile-backend NAME`` runs the compile tests against another torch.compile backend
 (e.g. ``aot_eager`` or ``inductor``) to tell a zeroc failure from a test or Dynamo problem.
 """
@@ -38,8 +39,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """One xdist group per file; the files with the most slow cases first (a group starts in
-    collection order: the longest files start at once, the short ones fill the end)."""
+    """One xdist group per file, the files with the most slow cases first in collection order
+    (xdist then orders the groups by their number of cases, keeping this order among equals).
+    Mixing the many single-process files with the few multi-rank ones keeps both cores busy:
+    starting all multi-rank groups at once oversubscribes the cores and slows every rank."""
     slow: dict[str, int] = {}
     for item in items:
         key = os.fspath(item.path)
