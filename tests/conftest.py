@@ -25,6 +25,9 @@ import torch
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+# The ranks the tests start fork from a server that has imported these once (``zeroc.cli.
+# _rank_processes``): the HF model zoo and its helpers; a missing one is skipped there.
+os.environ.setdefault("ZEROC_RANK_PRELOAD", "transformers,models.hf,parity")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -8,8 +8,9 @@ code). It is private: neither the package nor the README offers it.
 :func:`start_ranks` creates a ``TCPStore`` the parent owns (port 0, so no port can be taken
 between picking and using it) and starts ``world`` processes with
 ``torch.multiprocessing.start_processes``, forked from a forkserver that has already imported
-torch, ``torch.distributed``, Dynamo and zeroc (spawn where there is no forkserver), so only
-the first start in a process pays for importing torch. SIGINT is ignored while they start
+torch, ``torch.distributed``, the compile path (Dynamo, AOTAutograd, Inductor's entry, zeroc's
+backend) and the modules ``ZEROC_RANK_PRELOAD`` names (spawn where there is no forkserver),
+so only the first start in a process pays for importing them. SIGINT is ignored while they start
 (a forkserver started then passes that on to every rank it forks), until each rank installs
 its own handler. Every rank takes the parent's environment of the moment, runs one thread on
 CPU (gloo) or uses GPU ``rank`` (NCCL), joins the group, calls ``fn(rank, world, *args)`` and
@@ -51,7 +52,14 @@ log = logging.getLogger(__name__)
 
 INTERRUPTED = 130  # the shell's exit code for a process ended by SIGINT
 HOST = "127.0.0.1"
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "zeroc", "zeroc.cli._rank_processes")
+# What the forkserver imports once, so that no rank pays for it: torch, the compile path
+# every rank's first ``torch.compile`` walks (Dynamo, AOTAutograd, Inductor's entry, zeroc's
+# backend) and the modules named in ``PRELOAD_ENV``. None of them starts a thread or touches
+# a device when imported, so forking after them is safe.
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
+            "torch._inductor.compile_fx", "zeroc", "zeroc.frontend.backend",
+            "zeroc.cli._rank_processes")
+PRELOAD_ENV = "ZEROC_RANK_PRELOAD"  # comma-separated modules, e.g. "transformers"
 _DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)  # faulthandler prints a rank's stacks on it
 _DUMP_PAUSE_S = 0.5
 _INTERRUPT_KEY = "zeroc/interrupted"  # set in the store before SIGINT reaches the ranks
@@ -149,8 +157,10 @@ def _start_method() -> str:
     """``forkserver`` with torch and zeroc preloaded where there is one, else ``spawn``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    # Takes effect when the forkserver starts, the first time any process uses it.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
+    # Takes effect when the forkserver starts, the first time any process uses it; a module
+    # that does not import is skipped there (multiprocessing's rule).
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*_PRELOAD, *extra])
     return "forkserver"
 
 
