@@ -15,6 +15,17 @@ reached, everything before it on both ranks has finished, so both ranks post it.
 order makes the sends on each (source, destination) channel match the receives one for one,
 as torch.distributed's FIFO matching of same-tag messages requires. ``verify_p2p`` checks
 both properties on any lowered schedule by replaying it with rendezvous semantics.
+
+DualPipe's overlapped action ``FB`` (the forward of one micro-batch chunk with the backward of
+another) is lowered as ``F``, its sends, ``B``, its sends (``split_overlapped``) when the
+stage graphs hold no communication (``pp_reshard=False``, the default: ZeRO's collectives run
+once per step outside them). Merging such graphs into one F&B graph overlaps nothing on one
+stream; split, the forward chunk's sends are in flight while the backward chunk computes, and
+the backward chunk waits for its received gradients only after the forward chunk computed.
+Both halves are placed in the same lock-step round, so the consumers' receives land where they
+did; the argument above holds for any compute schedule, so the result is deadlock-free too.
+With ``pp_reshard=True`` the gathers and reductions are inside the stage graphs and ``FB``
+stays one action, run as the interleaved F&B graph (``zeroc.passes.overlap_fb``).
 """
 
 from __future__ import annotations
@@ -63,8 +74,10 @@ def _needs(action: Action, last_stage: int) -> list[DataKey]:
     return [k for p in parts for k in data_inputs(p, last_stage) if k not in made]
 
 
-def lower_communication(schedule: Schedule) -> Schedule:
-    """Return ``schedule`` with SEND_F/RECV_F/SEND_B/RECV_B actions inserted.
+def lower_communication(schedule: Schedule, split_overlapped: bool = False) -> Schedule:
+    """Return ``schedule`` with SEND_F/RECV_F/SEND_B/RECV_B actions inserted;
+    ``split_overlapped``: every ``FB`` becomes ``F``, its sends, ``B``, its sends (module
+    docstring).
 
     Collective actions already in the lists keep their place relative to the compute actions.
     Raises ``ValueError`` if the schedule already has p2p actions or cannot make progress.
@@ -84,9 +97,13 @@ def lower_communication(schedule: Schedule) -> Schedule:
             if not all(key in present[rank] for key in _needs(action, last_stage)):
                 continue
             queue.popleft()
-            lowered[rank].append(action)
+            split = split_overlapped and action.kind is ActionKind.FB
+            if not split:
+                lowered[rank].append(action)
             progress = True
             for part in action.parts() if action.is_compute else ():
+                if split:
+                    lowered[rank].append(part)
                 present[rank].add(data_output(part))
                 consumer = _consumer(part, schedule)
                 if consumer is None or consumer[1] == rank:
@@ -183,13 +200,19 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def comm_lowering(program: Program, ctx: PassContext) -> PassResult:
     """Program pass: the pipeline layout's schedules (training and ``no_grad``) become the
-    program's compute schedule with its p2p actions (``lower_communication``)."""
+    program's compute schedule with its p2p actions (``lower_communication``); its ``FB``
+    actions split unless ``pp_reshard=True`` (module docstring)."""
     if program.schedule is None or program.pipeline is None:  # pp = 1: autograd's schedule
         return PassResult(program, False)
-    training = lower_communication(program.schedule)
+    split = not ctx.config.pp_reshard  # the stage graphs hold no communication
+    training = lower_communication(program.schedule, split_overlapped=split)
     forward = lower_communication(forward_only(program.schedule))
     pipeline = dataclasses.replace(program.pipeline, schedule=training, forward_schedule=forward)
     p2p = sum(a.is_p2p for actions in training.actions for a in actions)
     here = sum(a.is_p2p for a in training.actions[program.pipeline.position])
-    return PassResult(dataclasses.replace(program, pipeline=pipeline), True,
-                      {"p2p_actions": p2p, "p2p_actions_here": here})
+    stats: dict[str, object] = {"p2p_actions": p2p, "p2p_actions_here": here}
+    overlapped = sum(a.kind is ActionKind.FB for a in program.schedule.actions[
+        program.pipeline.position])
+    if overlapped:
+        stats["fb_split_here" if split else "fb_merged_here"] = overlapped
+    return PassResult(dataclasses.replace(program, pipeline=pipeline), True, stats)

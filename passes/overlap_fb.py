@@ -12,9 +12,13 @@ followed by the other graph's compute before its wait.
 The merged graph takes ``(forward args..., backward args...)`` and returns
 ``(forward outputs..., backward outputs...)``; ``num_forward_outputs`` says where they split.
 
-``overlap_fb`` is the Program pass (``zeroc.runtime.program``): every overlapped action of this
-rank's schedule gets its F&B graph once (``<stage>.fb<backward stage>`` in the program's
-graphs, and in the forward stage's ``overlapped``).
+``overlap_fb`` is the Program pass (``zeroc.runtime.program``): with ``pp_reshard=True`` (the
+ZeRO gathers and reductions inside the stage graphs) every overlapped action of this rank's
+schedule gets its F&B graph once (``<stage>.fb<backward stage>`` in the program's graphs, and
+in the forward stage's ``overlapped``). Without collectives in the graphs a merged graph
+overlaps nothing on one stream: ``zeroc.passes.comm_lowering`` then lowers ``FB`` as ``F``,
+its sends, ``B``, so the forward chunk's transfers are in flight while the backward chunk
+computes, and this pass makes no graph.
 """
 
 from __future__ import annotations
@@ -114,6 +118,9 @@ def overlap_fb(program: Program, ctx: PassContext) -> PassResult:
     docstring), built once per (forward stage, backward stage)."""
     if program.schedule is None or program.pipeline is None:  # pp = 1: nothing overlaps
         return PassResult(program, False)
+    if not ctx.config.pp_reshard:  # comm_lowering runs FB as F, its sends, B
+        return PassResult(program, False, {"skipped": "pp_reshard=False: no communication "
+                                           "inside the stage graphs to overlap"})
     pairs = dict.fromkeys((a.stage, a.b_stage)
                           for a in program.schedule.actions[program.pipeline.position]
                           if a.kind is ActionKind.FB)

@@ -160,8 +160,10 @@ def two_rank_job(rank: int, world: int) -> dict:
                                        {"bucket_mb": 0.01, "prefetch": 1, **INDUCTOR})
         torch._dynamo.reset()
     model = zeroc.parallelize(_gpt4(), zero=0, pp=world)
+    # pp_reshard=True: DualPipeV's overlapped actions run as F&B graphs (the default runs
+    # them as F, the forward chunk's sends, B: no F&B graph).
     compiled = torch.compile(model, backend="zeroc", options={
-        **INDUCTOR, "schedule": "dualpipev", "microbatches": 4})
+        **INDUCTOR, "schedule": "dualpipev", "microbatches": 4, "pp_reshard": True})
     losses = _train(model, compiled)
     (record,) = _records(compiled)
     results["pp"] = {"losses": losses, "full": full_state_dict(model),

@@ -5,7 +5,8 @@ counterpart; gloo matches by tag and hides an order NCCL would hang on. The matc
 NCCL's rules on what each rank issued; a planned world (``zeroc.explain(world=...)``) runs
 the real pipeline executors on fake CUDA tensors, records every transfer and wait, and
 refuses an order that would deadlock. Every schedule at pp 2, 4 and 8, two micro-batch
-counts, dp 1 and 2 and ZeRO 0-3 must pass; the order the executor used to issue (each
+counts, dp 1 and 2 and ZeRO 0-3, DualPipe's overlapped actions split (F, sends, B) and
+merged (``pp_reshard=True``) must pass; the order the executor used to issue (each
 receive posted alone, ahead of the sends) must be reported, naming both ranks' queues.
 """
 
@@ -99,12 +100,22 @@ def _cases() -> list[tuple[str, int, int, int, int]]:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_issues_an_order_nccl_matches(schedule: str) -> None:
     cases = [c for c in _cases() if c[0] == schedule]
+    lowered = set()
     for _, pp, microbatches, dp, zero in cases:
         layers = 2 * pp if "dual" in schedule else pp
-        zeroc.explain(_gpt(layers), _batch(), world=pp * dp, pp=pp, zero=zero, device="cuda",
-                      options={"schedule": schedule, "microbatches": microbatches})
+        # DualPipe's overlapped actions: split into F, sends, B where the stage graphs hold
+        # no collective (the default), one interleaved F&B graph where they do.
+        reshard = "dual" in schedule and dp == 2 and zero > 0
+        plan = zeroc.explain(_gpt(layers), _batch(), world=pp * dp, pp=pp, zero=zero,
+                             device="cuda", options={"schedule": schedule, "pp_reshard": reshard,
+                                                     "microbatches": microbatches})
+        stats = [dict(p.stats) for p in plan.passes if p.pass_name == "comm_lowering"]
+        lowered |= {key for row in stats for key in row if key.startswith("fb_")}
+        if "dual" in schedule:
+            assert ("fb_merged_here" if reshard else "fb_split_here") in lowered, stats
     # Each plan above raised if NCCL could not match its order; pp 2, 4 and 8 all ran.
     assert {c[1] for c in cases} == {2, 4, 8}, cases
+    assert lowered == ({"fb_split_here", "fb_merged_here"} if "dual" in schedule else set())
     assert len(_cases()) >= 20
 
 

@@ -4,7 +4,9 @@
 - pp = 1: the session's Program of a compiled model prints its graphs by name (FileCheck),
   has autograd's schedule (``schedule=None``), and gains its backward as a new Program when
   the first backward compiles it; a Program and its mappings cannot be changed.
-- pp = 2 with DualPipeV (a planned world on fake tensors): the program passes
+- pp = 2 with DualPipeV and ``pp_reshard=True`` (a planned world on fake tensors; the
+  collectives inside the stage graphs, so the overlapped actions run as F&B graphs): the
+  program passes
   (``split_weight_grad``, ``overlap_fb``, ``comm_lowering``) have rows in the plan's pass
   table with their stats and before/after text; the Program that runs holds every stage's
   I/W and F&B graphs and the lowered schedule.
@@ -65,7 +67,7 @@ def pipelined(request) -> tuple[zeroc.Plan, list[Program], list[str]]:
     try:
         plan = zeroc.explain(make_gpt(), batch(), world=2, pp=2, zero=3, device="cpu",
                              options={"schedule": "dualpipev", "microbatches": 4,
-                                      "record_graphs": True})
+                                      "pp_reshard": True, "record_graphs": True})
     finally:
         patch.undo()
     return plan, programs, compiled_kinds
@@ -180,6 +182,7 @@ def test_pp2_program_passes_have_rows_in_the_pass_table(pipelined) -> None:
     assert split.changed and int(stats["split_weight_grad"]["stages"]) == 2
     assert overlap.changed and int(stats["overlap_fb"]["fb_graphs"]) >= 1
     assert lowering.changed and int(stats["comm_lowering"]["p2p_actions"]) > 0
+    assert int(stats["comm_lowering"]["fb_merged_here"]) >= 1
     # Before/after text: the I/W graphs appear, then the F&B graph, then the p2p actions.
     assert ".input_grad:" not in split.before and ".input_grad:" in split.after
     assert ".fb" not in overlap.before.split("graph ", 1)[0]

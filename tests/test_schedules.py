@@ -195,12 +195,17 @@ def test_zb1p_matches_torch_zero_bubble_with_one_stage_per_rank(ranks):
             assert list(ours.actions[rank]) == theirs
 
 
-def test_lowering_is_deadlock_free_and_matched():
+def _split_fb(actions: tuple[Action, ...]) -> tuple[Action, ...]:
+    return tuple(p for a in actions for p in (a.parts() if a.kind is ActionKind.FB else (a,)))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fb", "fb-split"])
+def test_lowering_is_deadlock_free_and_matched(split: bool):
     for schedule in all_valid_schedules():
-        lowered = lower_communication(schedule)
+        lowered = lower_communication(schedule, split_overlapped=split)
         verify_p2p(lowered)
-        assert [lowered.compute_actions(r) for r in range(schedule.num_ranks)] == [
-            schedule.actions[r] for r in range(schedule.num_ranks)]
+        expected = [_split_fb(a) if split else a for a in schedule.actions]
+        assert [lowered.compute_actions(r) for r in range(schedule.num_ranks)] == expected
         kinds = Counter(a.kind for rank in lowered.actions for a in rank)
         assert kinds[ActionKind.SEND_F] == kinds[ActionKind.RECV_F]
         assert kinds[ActionKind.SEND_B] == kinds[ActionKind.RECV_B]
@@ -220,6 +225,28 @@ def test_dualpipev_turn_has_no_communication():
     assert not [a for a in p2p if a.kind is ActionKind.SEND_B and a.stage == 4]
     assert lowered.actions[0][:2] == (forward(0, 0), Action(ActionKind.SEND_F, 0, 0, peer=1))
     assert lowered.actions[1][:2] == (Action(ActionKind.RECV_F, 1, 0, peer=0), forward(1, 0))
+
+
+def test_split_overlapped_actions_send_the_forward_chunk_before_the_backward_computes():
+    """Without collectives in the stage graphs, FB is lowered as F, its sends, B, its sends:
+    the forward chunk's transfer is in flight while the backward chunk computes, and the
+    backward chunk's receive is waited only when B starts."""
+    for ranks in (2, 4):
+        schedule = build_schedule("dualpipev", ranks, 2 * ranks)
+        lowered = lower_communication(schedule, split_overlapped=True)
+        fbs = [(r, a) for r in range(ranks) for a in schedule.actions[r]
+               if a.kind is ActionKind.FB]
+        assert fbs and not any(a.kind is ActionKind.FB for r in lowered.actions for a in r)
+        for rank, fb in fbs:
+            f, b = fb.parts()
+            actions = lowered.actions[rank]
+            at_f, at_b = actions.index(f), actions.index(b)
+            between = actions[at_f + 1:at_b]
+            sends_f = [a for a in between if a.kind is ActionKind.SEND_F]
+            crosses = schedule.rank_of(f.stage + 1, f.microbatch) != rank if (
+                f.stage + 1 < schedule.num_stages) else False
+            assert all(a.is_p2p for a in between), (rank, between)
+            assert len(sends_f) == (1 if crosses else 0), (rank, fb, between)
 
 
 def test_p2p_groups_batch_consecutive_transfers():

@@ -86,7 +86,10 @@ class Config:
         once per step, before its first micro-batch, and reduces its gradients once, after
         its last backward (the full parameters and gradients of this rank's stages live for
         the step); ``True`` gathers and reduces inside every micro-batch's graphs (less
-        memory, ``microbatches`` times the traffic).
+        memory, ``microbatches`` times the traffic). DualPipe(V)'s overlapped actions run,
+        with ``False``, as the forward chunk, its sends, then the backward chunk (its
+        transfers in flight while the other chunk computes); with ``True``, as one graph
+        interleaving both chunks, so one chunk's collectives overlap the other's compute.
     unsplit_inputs: with pp > 1, the forward's tensor arguments passed whole to every
         micro-batch instead of cut along dimension 0 (every other tensor argument is part of
         the batch), e.g. ``["proj"]`` for a ``forward(x, proj, targets)`` whose ``proj`` is

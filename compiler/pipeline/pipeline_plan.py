@@ -100,6 +100,12 @@ def pipeline_info(program: Program, executor: Any) -> PipelineInfo:
     summaries) and the timings ``executor`` (what runs it, or None) measured."""
     schedule, summaries = program.schedule, program.summaries
     assert schedule is not None, "a pipelined Program has a schedule"
+    split = False
+    if program.pipeline is not None:  # what runs: the lowered schedule's compute actions
+        lowered = program.pipeline.schedule
+        running = tuple(lowered.compute_actions(r) for r in range(lowered.num_ranks))
+        split = running != schedule.actions
+        schedule = schedule.replace_actions(running)
     timings = executor.timings if executor is not None else None
     labels = timings.labels if timings is not None else ()
     times = timings.times if timings is not None else ()
@@ -118,6 +124,9 @@ def pipeline_info(program: Program, executor: Any) -> PipelineInfo:
               + ", B = 2F, W = F")
     legend += ("\nbubble (model): idle share of the simulated step with these costs; bubble "
                "(measured): idle share\nof the last real step, p2p waits included")
+    if split:
+        legend += ("\noverlapped pairs run as F, the forward chunk's sends, then B (no "
+                   "collective inside\nthe stage graphs to overlap: pp_reshard=False)")
     per_stage = {s.index: s.activation_bytes for s in summaries}
     peak_bytes = []
     for rank in range(schedule.num_ranks):
