@@ -1,13 +1,14 @@
 """How well ``zeroc.tune``'s estimates rank and size the real step, on 2 and 4 gloo ranks.
 
-For each world size, every rank builds the zoo GPT (tests/models/gpt.py) and the same
-candidates (at least 8: ZeRO stages, pipelines, the memory trades); rank 0 estimates each in
-the fake world on this machine's calibrated profile (``zeroc.calibrate``), exactly as
+For each world size, every rank builds the zoo GPT (tests/models/gpt.py) and the same candidates
+(at least 8: ZeRO stages, pipelines, the memory trades); rank 0 estimates each in the fake world
+on this machine's calibrated profile (``zeroc.calibrate``; ``--calibration-dir`` for a run under
+``slowlink``, whose link the cached profile of the plain loopback does not know), as
 ``zeroc.tune`` does, and then *every* candidate is measured for real (``--repeats`` rounds,
 round-robin, median). Printed per world: the table, Spearman's rank correlation between
-estimated and measured step, the median absolute error of the estimate, how far the tuner's
-pick (best ``--measure`` by estimate, then measured) is from the best measured candidate, and
-the tuned layout's step over the default layout's (ZeRO-3, pp=1, default options).
+estimated and measured step, the median absolute error of the estimate, how far the tuner's pick
+(best ``--measure`` by estimate, then measured) is from the best measured candidate, and the
+tuned layout's step over the default layout's (ZeRO-3, pp=1, default options).
 
     python benchmarks/tune_accuracy.py --worlds 2,4 --json tune_accuracy.json
 """
@@ -68,7 +69,7 @@ def _measure_world(rank: int, world: int, args: argparse.Namespace) -> dict | No
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq),
                            generator=torch.Generator().manual_seed(0))
     inputs = (tokens, tokens)
-    profile = zeroc.calibrate()
+    profile = zeroc.calibrate(cache_dir=args.calibration_dir)
     space = pick(candidates(world, args.batch, SEARCH), args.candidates)
     estimates = estimate_all(model, inputs, space, world=world, device="cpu",
                              hardware=profile, budget_s=args.estimate_budget)
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--calibration-dir", default=None,
+                        help="zeroc.calibrate's cache_dir (default ~/.cache/zeroc); give a "
+                             "run on another link (slowlink) a directory of its own, since "
+                             "the calibration's key names the machine, not its network")
     parser.add_argument("--timeout", type=float, default=7200.0,
                         help="seconds a world may take before its ranks are stopped")
     args = parser.parse_args(argv)
