@@ -6,8 +6,10 @@ The reference leaves that to a hand-written ``overlapped_forward_backward`` per 
 a graph transform. The two graphs are independent, so any interleaving of their nodes that
 keeps each graph's own order is valid. ``interleave`` merges them by progress: the next node
 comes from whichever graph has done the smaller fraction of its estimated work (FLOPs plus
-bytes), so a collective issued by one graph (a ZeRO gather, a gradient reduce-scatter) is
-followed by the other graph's compute before its wait.
+bytes), except that a collective's wait (a ZeRO gather, a gradient reduce-scatter: an issue
+op and ``wait_tensor``) is never placed before the other graph has placed a compute node
+since the issue, while it has nodes left: every collective of one graph has the other
+graph's compute between its issue and its wait.
 
 The merged graph takes ``(forward args..., backward args...)`` and returns
 ``(forward outputs..., backward outputs...)``; ``num_forward_outputs`` says where they split.
@@ -24,6 +26,7 @@ computes, and this pass makes no graph.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,7 @@ import torch.fx
 
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.actions import ActionKind
+from zeroc.runtime.collectives import ISSUE_OPS, WAIT_OP
 from zeroc.runtime.cost.cost import node_cost
 from zeroc.runtime.program import Program, frozen_mapping
 from zeroc.runtime.torch_compat import tree_flatten
@@ -55,6 +59,18 @@ def _attribute(gm: torch.nn.Module, target: str) -> Any:
     return value
 
 
+def _waits_too_early(node: torch.fx.Node, issued_at: dict[torch.fx.Node, int],
+                     other_computed: int) -> bool:
+    """Whether ``node`` waits for a collective of its side issued since the other side last
+    placed a compute node (so nothing would run between the issue and the wait)."""
+    if node.op != "call_function" or node.target is not WAIT_OP:
+        return False
+    issue = node.args[0]
+    if isinstance(issue, torch.fx.Node) and issue.target is operator.getitem:
+        issue = issue.args[0]  # one output of a coalesced collective
+    return issue in issued_at and issued_at[issue] == other_computed
+
+
 def interleave(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
                ) -> torch.fx.GraphModule:
     """One graph running ``forward`` and ``backward`` side by side (module docstring)."""
@@ -72,6 +88,12 @@ def interleave(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
     totals = [sum(_work(n) for n in body) or 1.0 for body in bodies]
     done = [0.0, 0.0]
     positions = [0, 0]
+    computed = [0, 0]  # compute nodes placed per side
+    # A collective issued by one side: how many of the other side's compute nodes had been
+    # placed when it was issued. Its wait is placed only after at least one more (while the
+    # other side has nodes left), so every collective has the other side's compute to hide
+    # behind, whatever the progress fractions say.
+    issued_at: dict[torch.fx.Node, int] = {}
     while positions[0] < len(bodies[0]) or positions[1] < len(bodies[1]):
         if positions[1] >= len(bodies[1]):
             side = 0
@@ -79,7 +101,13 @@ def interleave(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
             side = 1
         else:
             side = 0 if done[0] / totals[0] <= done[1] / totals[1] else 1
+            if _waits_too_early(bodies[side][positions[side]], issued_at, computed[1 - side]):
+                side = 1 - side
         node = bodies[side][positions[side]]
+        if node.op == "call_function" and node.target in ISSUE_OPS:
+            issued_at[node] = computed[1 - side]
+        elif node.op == "call_function" and node.target not in (WAIT_OP, operator.getitem):
+            computed[side] += 1
         env = envs[side]
         if node.op == "get_attr":
             name = f"side{side}_{node.target.replace('.', '_')}"

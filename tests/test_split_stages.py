@@ -208,3 +208,41 @@ def test_blocks_are_found_at_any_depth(kind: str) -> None:
     with pytest.raises(ValueError, match=r"'layers.3' is not one of the model's blocks; .*"
                                          r"inner.body.layers.0, inner.body.layers.1"):
         cut_stages(mgraph, 2, params, split_points=["layers.3"])
+
+
+def _collective_then_compute() -> torch.fx.GraphModule:
+    """``relu(x @ all_gather(w))``: a gather whose wait the graph reaches at once."""
+    functional = torch.ops._c10d_functional
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    issue = graph.call_function(functional.all_gather_into_tensor.default, (w, 2, "0"))
+    full = graph.call_function(functional.wait_tensor.default, (issue,))
+    out = graph.call_function(torch.ops.aten.relu.default,
+                              (graph.call_function(torch.ops.aten.mm.default, (x, full)),))
+    graph.output((out,))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _compute_only() -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    a = graph.placeholder("a")
+    b = graph.call_function(torch.ops.aten.mm.default, (a, a))
+    graph.output((graph.call_function(torch.ops.aten.mm.default, (b, b)),))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("collective_side", ["forward", "backward"])
+def test_overlapped_graph_puts_the_other_chunks_compute_between_issue_and_wait(
+        collective_side: str) -> None:
+    """With collectives inside the stage graphs (pp_reshard=True) the F&B graph issues one
+    chunk's collective, runs the other chunk's compute, then waits, whatever the progress
+    fractions would pick."""
+    graphs = (_collective_then_compute(), _compute_only())
+    if collective_side == "backward":
+        graphs = graphs[::-1]
+    order = [n for n in interleave(*graphs).graph.nodes if n.op == "call_function"]
+    names = [str(n.target) for n in order]
+    issue = next(i for i, n in enumerate(names) if "all_gather" in n)
+    wait = next(i for i, n in enumerate(names) if "wait_tensor" in n)
+    between = names[issue + 1:wait]
+    assert issue < wait and any("aten.mm" in n for n in between), names
