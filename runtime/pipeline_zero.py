@@ -19,7 +19,9 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
 - reductions: after the action group that completes a set of parameters' gradients (the last
   B or W of every stage of this rank reading them), ``reduce_ready`` casts them to
   ``reduce_dtype``, packs them rank-major in buckets and issues one asynchronous
-  ``reduce_scatter_tensor`` (ZeRO-2/3) or ``all_reduce`` (whole parameters) per bucket; the
+  ``reduce_scatter_tensor`` (ZeRO-2/3; on gloo an ``all_to_all_single`` whose received rows
+  are summed when waited, ``zeroc.runtime.collectives``) or ``all_reduce`` (whole
+  parameters) per bucket; the
   full gradients are dropped then. ``reduce`` at the end of the step waits for them (and
   reduces, blocking, whatever was not issued yet: a step that accumulates without sync hands
   its sum here), and each parameter's gradient becomes this rank's shard averaged over the
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime.collectives import collective_bytes
+from zeroc.runtime.collectives import chunk_sum_mean, collective_bytes, reduces_by_all_to_all
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan.records import CollectiveInfo
@@ -157,6 +159,7 @@ class _Pending:
     output: torch.Tensor
     source: torch.Tensor
     divisor: int
+    rows: int = 1  # > 1: ``output`` holds an all-to-all's rows for this rank, not summed yet
 
 
 def _wait(work: Any) -> None:
@@ -368,6 +371,14 @@ class StepZero:
         # Rank-major: row r holds every parameter's chunk r, so the scatter hands rank r its
         # chunk of each.
         packed = torch.cat([g.view(ranks, -1) for _, g in bucket], dim=1).reshape(-1)
+        if group is not None and reduces_by_all_to_all(group, packed.device):
+            # gloo: row r to rank r, the rows received summed when waited (half the bytes
+            # of gloo's reduce_scatter_tensor, an all-reduce)
+            received = torch.empty_like(packed)
+            with record(profile_name):
+                work = dist.all_to_all_single(received, packed, group=group, async_op=True)
+            self.counts["reduce"] += 1
+            return _Pending(work, bucket, received, packed, dp, rows=ranks)
         shard = packed.new_empty(packed.numel() // ranks)
         with record(profile_name):
             work = reduce_scatter_single(shard, packed, op=dist.ReduceOp.SUM, group=group,
@@ -378,7 +389,9 @@ class StepZero:
     def _unpack_reduced(self, pending: _Pending, grads: dict[int, torch.Tensor],
                         inputs: list[Any]) -> None:
         shard, ranks = pending.output, pending.bucket[0][0].ranks()
-        if pending.divisor > 1:
+        if pending.rows > 1:  # an all-to-all's rows: summed, then averaged
+            shard = chunk_sum_mean(shard, pending.rows)
+        elif pending.divisor > 1:
             shard.div_(pending.divisor)
         offset = 0
         for param, grad in pending.bucket:

@@ -23,7 +23,7 @@ MICROBATCHES = 4
 
 class CollectiveCount(TorchDispatchMode):
     """Counts gathers into one tensor and reductions (not the list all-gather of the step's
-    loss and timings, nor p2p)."""
+    loss and timings, nor p2p). On gloo zeroc reduce-scatters with an all-to-all."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,7 +34,8 @@ class CollectiveCount(TorchDispatchMode):
         if "allgather_into_tensor" in name or "_allgather_base" in name or (
                 "all_gather_into_tensor" in name):
             self.counts["all_gather"] += 1
-        elif "reduce_scatter" in name or "allreduce" in name or "all_reduce" in name:
+        elif ("reduce_scatter" in name or "allreduce" in name or "all_reduce" in name
+              or "alltoall" in name or "all_to_all" in name):  # gloo: zeroc's reduce-scatter
             if not name.startswith("_c10d_functional::wait"):
                 self.counts["reduce"] += 1
         return func(*args, **(kwargs or {}))
