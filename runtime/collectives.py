@@ -63,17 +63,12 @@ def reduce_scatter_runs_as_all_reduce(group_name: str, device: torch.device,
         return False
     if planned:
         return torch.device(device).type == "cpu"
-    try:
-        backend = group._get_backend(torch.device(device))
-    except (RuntimeError, ValueError):
-        return False
-    gloo = getattr(dist, "ProcessGroupGloo", None)
-    return gloo is not None and isinstance(backend, gloo)
+    return reduces_by_all_to_all(group, device)
 
 
 def reduces_by_all_to_all(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether a pipeline's per-step reductions on ``group`` for tensors of ``device`` use an
-    all-to-all (gloo: module docstring)."""
+    """Whether ``group`` runs tensors of ``device`` on gloo, where a pipeline's per-step
+    reductions use an all-to-all (module docstring)."""
     try:
         backend = group._get_backend(torch.device(device))
     except (RuntimeError, ValueError):
