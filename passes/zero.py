@@ -14,8 +14,9 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
   ``reduce_scatter_tensor`` (stages 2, 3) or ``all_reduce`` (stage 0, which ZeRO-1's whole
   gradients use too) is issued as soon as the bucket's last gradient exists, and waited
   before its first reader. The sum is divided by the group size (mean over ranks). On gloo,
-  whose reduce-scatter is an all-reduce plus a copy of the chunk, stages 2 and 3 all-reduce
-  and take this rank's chunk with the division (``zeroc::rank_chunk_mean``).
+  whose reduce-scatter is an all-reduce plus a copy of the chunk (twice the bytes), stages 2
+  and 3 send row r of the rank-major bucket to rank r (``all_to_all_single``) and sum the
+  rows received, then divide (``zeroc::rows_sum_mean``, ``zeroc.runtime.collectives``).
 - Mixed precision: an unshard's ``param_dtype`` is applied to the shard right before the
   gather (half the traffic in bf16); the backward's cast to ``reduce_dtype`` is already in
   the graph before ``reduce_grad``.
@@ -37,10 +38,10 @@ import torch.fx
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard / reduce_grad)
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.collectives import (
-    RANK_CHUNK_MEAN,
+    ROWS_SUM_MEAN,
     collective_bytes,
     functional,
-    reduce_scatter_runs_as_all_reduce,
+    reduce_scatter_runs_as_all_to_all,
 )
 from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.torch_compat import detect_fake_mode
@@ -281,7 +282,7 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
     for bucket in buckets:
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
-        by_all_reduce = stage >= 2 and reduce_scatter_runs_as_all_reduce(
+        by_all_to_all = stage >= 2 and reduce_scatter_runs_as_all_to_all(
             group_name, ctx.device, planned=ctx.planned is not None)
         # Issued as soon as the bucket's last gradient exists.
         last = max(bucket.nodes, key=_order)
@@ -303,15 +304,19 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
                 aten.cat.default, pieces, 0 if stage == 0 else 1)
             packed = build.call(aten.reshape.default, packed, [-1])
             op = "reduce_scatter" if stage >= 2 else "all_reduce"
-            if stage >= 2 and not by_all_reduce:
+            if by_all_to_all:  # row r of the rank-major buffer to rank r
+                rows = [packed.meta["val"].numel() // dp] * dp
+                issued = build.call(functional.all_to_all_single.default, packed, rows, rows,
+                                    group_name)
+            elif stage >= 2:
                 issued = build.call(functional.reduce_scatter_tensor.default, packed, "sum", dp,
                                     group_name)
             else:
                 issued = build.call(functional.all_reduce.default, packed, "sum", group_name)
         issued_buckets.append((bucket, pieces[0], issued, packed, widths, last, op,
-                               by_all_reduce))
+                               by_all_to_all))
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for index, (bucket, _start, issued, packed, widths, last, op, by_all_reduce) in enumerate(
+    for index, (bucket, _start, issued, packed, widths, last, op, by_all_to_all) in enumerate(
             issued_buckets):
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
@@ -323,8 +328,9 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
                 wait_at = later
         with gm.graph.inserting_before(wait_at):
             reduced = build.call(functional.wait_tensor.default, issued)
-            if by_all_reduce:  # the whole sum is here: this rank's chunk of it, averaged
-                mean = build.call(RANK_CHUNK_MEAN, reduced, dp, group_name)
+            if by_all_to_all:  # every rank's row for this one, summed and averaged; the
+                # sent buffer lives until here, as the collective's work holds it
+                mean = build.call(ROWS_SUM_MEAN, reduced, packed, dp)
             else:
                 mean = build.call(aten.div.Tensor, reduced, dp)
             offset = 0

@@ -45,7 +45,7 @@ __all__ = ["adds_nothing", "call", "is_view", "learned", "replayable"]
 
 # Ops that talk to other ranks or count calls: a graph holding one runs every time.
 _UNREPLAYABLE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
-_UNREPLAYABLE_OPS = frozenset({"unshard", "reduce_grad", "rank_chunk_mean"})
+_UNREPLAYABLE_OPS = frozenset({"unshard", "reduce_grad"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -268,7 +268,7 @@ def test_two_gloo_ranks_measure_the_collectives(tmp_path: Any) -> None:
         # A loaded host's timings can fit a negative intercept; fit_line then fits through the
         # origin, so the latency is >= 0, not > 0 (see test_fit_line).
         assert groups["2:intra"]["latency_s"] >= 0 and groups["2:intra"]["bytes_per_s"] > 0
-    assert "rank_chunk_mean" in fits["reduce_scatter"]["2:intra"]["op"]  # gloo's, as zeroc runs
+    assert "all_to_all" in fits["reduce_scatter"]["2:intra"]["op"]  # gloo's, as zeroc runs it
     assert "gloo" in profile.collectives_note and "2:intra" in profile.collectives_note
     # Both ranks on this host: how much slower they compute together than alone, >= 1.
     assert list(profile.shared_slowdown) == ["2"] and profile.shared_slowdown["2"] >= 1.0

@@ -221,10 +221,11 @@ def test_zero3_collectives_stay_where_the_plan_puts_them(two_ranks) -> None:
         assert placement["issues"] == len(planned), (graph, placement["events"], planned)
     # Prefetch 1: the forward issues the next bucket's gather before the current bucket's
     # matmul and waits for it after; the backward reduces gradients as they are made (an
-    # all-reduce on gloo, which has no reduce-scatter), behind the next matmul.
+    # all-to-all on gloo, whose reduce-scatter is an all-reduce), behind the next matmul.
     FileCheck().check("all_gather_into_tensor").check("wait_tensor").check(
         "all_gather_into_tensor").check("extern_kernels.").check("wait_tensor").run(
         got["placement"]["g0.forward"]["code"])
-    FileCheck().check_regex("_c10d_functional.(all_reduce|reduce_scatter_tensor)").check(
+    FileCheck().check_regex(
+        "_c10d_functional.(all_reduce|reduce_scatter_tensor|all_to_all_single)").check(
         "extern_kernels.").check("wait_tensor").run(got["placement"]["g0.backward"]["code"])
 

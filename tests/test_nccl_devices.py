@@ -107,7 +107,7 @@ def test_what_a_loop_calls_after_a_step_stays_on_the_device(pp: int) -> None:
         _collectives_then_value_read(lambda: _agree_failed(False))
         # calibrate's collective runs and its agreement on what they measured.
         group = dist.group.WORLD
-        for run in _runs(group, group_device(), 1 << 12, as_all_reduce=pp == 1):
+        for run in _runs(group, group_device(), 1 << 12, as_all_to_all=pp == 1):
             run()
         _collectives_then_value_read(lambda: _agree({"cuda": {"mm": 1.0}}, 1e9, 1e-5, {},
                                                     group_device()))

@@ -177,7 +177,8 @@ def _count_reductions(fn) -> int:
     from zeroc.runtime.executor import GraphExecutor
 
     functional = torch.ops._c10d_functional
-    kinds = {functional.reduce_scatter_tensor.default, functional.all_reduce.default}
+    kinds = {functional.reduce_scatter_tensor.default, functional.all_reduce.default,
+             functional.all_to_all_single.default}  # gloo: zeroc's reduce-scatter
     run = GraphExecutor.__call__
     count = [0]
 

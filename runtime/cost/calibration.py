@@ -10,7 +10,8 @@
   fitted by least squares (``fit_line``) on the times of a few message sizes
   (``time_collectives``); ``nbytes`` is the full buffer of a gather or reduce-scatter, the
   buffer of an all-reduce, the message of a send. On gloo a reduce-scatter is timed as zeroc
-  runs it there: an all-reduce and ``zeroc::rank_chunk_mean`` (``zeroc.runtime.collectives``).
+  runs it there: an ``all_to_all_single`` of the rank-major rows and the sum of the rows
+  received (``zeroc.runtime.collectives``).
 
 Every timed collective runs the same number of times on every rank of its group: the count
 comes from the slowest rank's first call (one all-reduce), so no rank waits for a call another
@@ -38,7 +39,8 @@ from zeroc.runtime.cost.profile_tables import is_finite_number
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # of the files under <cache_dir>/calibration/; another one is measured again
+FORMAT = 5  # of the files under <cache_dir>/calibration/; another one is measured again
+# (5: gloo's reduce-scatter timed as zeroc runs it since, an all-to-all)
 PROFILE_KIND = "hardware profile"  # the record kind of a stored profile (cached_files)
 DEFAULT_SECONDS = 0.3  # per measurement: about 3 s on one CPU, 15 s on GPUs with 3 group sizes
 MAX_REPS = 200
@@ -219,15 +221,15 @@ def message_bytes(device: torch.device, group_size: int) -> list[int]:
 
 def collective_ops(group: dist.ProcessGroup, device: torch.device) -> dict[str, str]:
     """What each measured kind runs on ``group``: zeroc's own calls (``zeroc.runtime.zero_ops``;
-    on gloo its reduce-scatter is an all-reduce and ``zeroc::rank_chunk_mean``)."""
-    from zeroc.runtime.collectives import reduce_scatter_runs_as_all_reduce
+    on gloo its reduce-scatter is an all-to-all and the sum of the rows received)."""
+    from zeroc.runtime.collectives import reduce_scatter_runs_as_all_to_all
     from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
-    as_all_reduce = reduce_scatter_runs_as_all_reduce(group.group_name, device)
+    as_all_to_all = reduce_scatter_runs_as_all_to_all(group.group_name, device)
     return {"all_gather": all_gather_single.__name__,
-            "reduce_scatter": "all_reduce + zeroc::rank_chunk_mean (zeroc's reduce-scatter on "
-                              "gloo, which has no reduce_scatter_tensor)" if as_all_reduce
-            else reduce_scatter_single.__name__,
+            "reduce_scatter": "all_to_all_single + zeroc::rows_sum_mean (zeroc's reduce-scatter "
+                              "on gloo, whose reduce_scatter_tensor is an all-reduce)"
+            if as_all_to_all else reduce_scatter_single.__name__,
             "all_reduce": "all_reduce",
             "p2p": "send/recv between group ranks 0 and 1 (half a round trip)"}
 
@@ -252,9 +254,9 @@ def _agreed_time(run: Callable[[], None], group: dist.ProcessGroup, device: torc
 
 
 def _runs(group: dist.ProcessGroup, device: torch.device, nbytes: int,
-          as_all_reduce: bool) -> tuple[Callable[[], None], ...]:
+          as_all_to_all: bool) -> tuple[Callable[[], None], ...]:
     """One call of each of ``MEASURED_KINDS`` on an ``nbytes`` buffer."""
-    from zeroc.runtime.collectives import RANK_CHUNK_MEAN
+    from zeroc.runtime.collectives import chunk_sum_mean
     from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -267,10 +269,9 @@ def _runs(group: dist.ProcessGroup, device: torch.device, nbytes: int,
         all_gather_single(full, chunk, group=group)
 
     def reduce_scatter() -> None:
-        if as_all_reduce:
-            flat = full.clone()
-            dist.all_reduce(flat, group=group)
-            RANK_CHUNK_MEAN(flat, size, group.group_name)
+        if as_all_to_all:
+            dist.all_to_all_single(inbox, full, group=group)
+            chunk_sum_mean(inbox, size)
         else:
             reduce_scatter_single(chunk, full, group=group)
 
@@ -292,10 +293,10 @@ def time_collectives(group: dist.ProcessGroup, device: torch.device,
                      seconds: float) -> dict[str, list[float]]:
     """Seconds of each of ``MEASURED_KINDS`` on ``group`` at each of ``message_bytes``, each
     point in about ``seconds``; ``"p2p"`` is one way (0.0 on ranks other than 0 and 1)."""
-    as_all_reduce = "rank_chunk_mean" in collective_ops(group, device)["reduce_scatter"]
+    as_all_to_all = "all_to_all" in collective_ops(group, device)["reduce_scatter"]
     times: dict[str, list[float]] = {kind: [] for kind in MEASURED_KINDS}
     for nbytes in message_bytes(device, dist.get_world_size(group)):
-        runs = _runs(group, device, nbytes, as_all_reduce)
+        runs = _runs(group, device, nbytes, as_all_to_all)
         for kind, run in zip(MEASURED_KINDS, runs, strict=True):
             seconds_per_call = _agreed_time(run, group, device, seconds)
             times[kind].append(seconds_per_call / 2 if kind == "p2p" else seconds_per_call)
