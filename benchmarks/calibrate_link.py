@@ -23,21 +23,10 @@ import json
 import sys
 import tempfile
 
+from slow_link import bits_per_second  # benchmarks/ is this script's directory
 from tabulate import tabulate
 
 from zeroc.cli.launch import run_ranks
-
-# tc's rate units, in bits per second per unit (as benchmarks/slow_link.py reads them).
-UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-
-
-def rate_bytes_per_s(rate: str) -> float:
-    """``1gbit`` -> 1.25e8 bytes/s; ``ValueError`` naming the units for anything else."""
-    for unit in sorted(UNITS, key=len, reverse=True):
-        number = rate[:-len(unit)]
-        if rate.endswith(unit) and number.replace(".", "", 1).isdigit():
-            return float(number) * UNITS[unit] / 8
-    raise ValueError(f"--rate {rate!r}: give a number and one of {sorted(UNITS)} (e.g. 1gbit)")
 
 
 def wire_factor(kind: str, op: str, world: int) -> float:
@@ -88,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 2 <= args.world <= 8:
         parser.error(f"--world {args.world}: give 2 to 8 ranks")
     try:
-        rate = rate_bytes_per_s(args.rate) if args.rate else None
+        rate = bits_per_second(args.rate) / 8 if args.rate else None
     except ValueError as error:
         parser.error(str(error))
     measured = run_ranks(_calibrate, args.world, args.seconds, timeout=args.timeout)[0]
