@@ -211,23 +211,26 @@ def test_blocks_are_found_at_any_depth(kind: str) -> None:
 
 
 def _collective_then_compute() -> torch.fx.GraphModule:
-    """``relu(x @ all_gather(w))``: a gather whose wait the graph reaches at once."""
+    """``relu(inputs @ all_gather(weight_shard))``: a gather whose wait comes at once."""
     functional = torch.ops._c10d_functional
     graph = torch.fx.Graph()
-    x, w = graph.placeholder("x"), graph.placeholder("w")
-    issue = graph.call_function(functional.all_gather_into_tensor.default, (w, 2, "0"))
-    full = graph.call_function(functional.wait_tensor.default, (issue,))
+    inputs = graph.placeholder("inputs")
+    weight_shard = graph.placeholder("weight_shard")
+    issue = graph.call_function(functional.all_gather_into_tensor.default,
+                                (weight_shard, 2, "0"))
+    weight = graph.call_function(functional.wait_tensor.default, (issue,))
     out = graph.call_function(torch.ops.aten.relu.default,
-                              (graph.call_function(torch.ops.aten.mm.default, (x, full)),))
+                              (graph.call_function(torch.ops.aten.mm.default, (inputs, weight)),))
     graph.output((out,))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _compute_only() -> torch.fx.GraphModule:
+    """``(square @ square) @ (square @ square)``: compute and no collective."""
     graph = torch.fx.Graph()
-    a = graph.placeholder("a")
-    b = graph.call_function(torch.ops.aten.mm.default, (a, a))
-    graph.output((graph.call_function(torch.ops.aten.mm.default, (b, b)),))
+    square = graph.placeholder("square")
+    once = graph.call_function(torch.ops.aten.mm.default, (square, square))
+    graph.output((graph.call_function(torch.ops.aten.mm.default, (once, once)),))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
