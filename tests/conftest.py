@@ -26,8 +26,11 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 # The ranks the tests start fork from a server that has imported these once (``zeroc.cli.
-# _rank_processes``): the HF model zoo and its helpers; a missing one is skipped there.
-os.environ.setdefault("ZEROC_RANK_PRELOAD", "transformers,models.hf,parity")
+# _rank_processes``): the HF model zoo and its helpers, then the suite's collector settings
+# (``suite_gc``, last: it freezes what the others made); a missing one is skipped there.
+os.environ.setdefault("ZEROC_RANK_PRELOAD", "transformers,models.hf,parity,suite_gc")
+
+import suite_gc  # noqa: E402 - after the zoo is on sys.path
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,6 +57,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda i: (-slow[os.fspath(i.path)], order[os.fspath(i.path)]))
     for item in items:
         item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what importing the test modules made (torch, transformers, zeroc, the zoo)."""
+    suite_gc.apply()
 
 
 @pytest.fixture

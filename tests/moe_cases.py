@@ -42,6 +42,10 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int = 4
     batch: int = 8
+    # Decoder layers: two (pp=2 puts one in each stage), four where DualPipeV runs 2 * pp
+    # stages. Dynamo's trace of a model grows with its layers, and these cases are the
+    # suite's slowest.
+    layers: int = 2
 
     @property
     def dp(self) -> int:
@@ -59,7 +63,7 @@ LAYOUTS = {
     "compiled": Layout(world=1, zero=None),
     "zero3": Layout(world=2, zero=3),
     "1f1b": Layout(world=2, zero=0, pp=2, schedule="1f1b"),
-    "dualpipev": Layout(world=2, zero=0, pp=2, schedule="dualpipev"),
+    "dualpipev": Layout(world=2, zero=0, pp=2, schedule="dualpipev", layers=4),
     "pp2xdp2": Layout(world=4, zero=3, pp=2, schedule="1f1b", batch=16),
 }
 
@@ -69,10 +73,11 @@ def batch(name: str, layout: Layout, step: int) -> tuple[torch.Tensor, torch.Ten
     return token_batch(layout.batch, SEQ, seed=step, ignored=layout.ignored(name))
 
 
-def make_model(name: str, **config: Any) -> torch.nn.Module:
-    """``build(name)`` under seed 0, with ``config`` set on its config before the build."""
+def make_model(name: str, layers: int = 2, **config: Any) -> torch.nn.Module:
+    """``build(name, layers)`` under seed 0, with ``config`` set on its config before the
+    build."""
     torch.manual_seed(0)
-    model = build(name)
+    model = build(name, layers)
     if config:
         for key, value in config.items():
             setattr(model.config, key, value)
@@ -83,7 +88,7 @@ def make_model(name: str, **config: Any) -> torch.nn.Module:
 
 def eager_reference(name: str, layout: Layout) -> dict:
     """Single-process eager: the step losses, first gradients and final parameters."""
-    model = make_model(name)
+    model = make_model(name, layout.layers)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
     parts = layout.slices(name)
     losses, grads = [], {}
@@ -128,7 +133,7 @@ def compile_case(name: str, layout: Layout, model: torch.nn.Module):
 def run_case(rank: int, name: str, layout: Layout) -> dict:
     """This rank's run of the case: its losses, held first gradients, held final params."""
     torch._dynamo.reset()
-    model = make_model(name)
+    model = make_model(name, layout.layers)
     compiled = compile_case(name, layout, model)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
     replica = rank % layout.dp  # rank r: pipeline position r // dp, data-parallel index r % dp

@@ -1,6 +1,7 @@
 """The models users train now, in every layout: Qwen3, Gemma3 and five mixture-of-experts
 models (GPT-OSS with expert biases, Mixtral, Qwen3-MoE with the router's auxiliary loss,
-OLMoE, DeepSeek-V3) from small configs (``tests/models/hf.py``), called with ``labels=``.
+OLMoE, DeepSeek-V3) from small configs (``tests/models/hf.py``; two decoder layers, four
+for DualPipeV's four stages), called with ``labels=``.
 
 Each trains two AdamW steps compiled with zeroc in one process, with ZeRO-3 on 2 ranks, at
 pp=2 with 1F1B and with DualPipeV, and at pp=2 x dp=2 with ZeRO-3 on 4 ranks; the losses,
