@@ -41,14 +41,19 @@ CASES = (("labels", "1f1b", False), ("labels", "dualpipev", True),
 OPTIONS = {"sum": "sum", "mean": "mean"}
 
 
+def layers(schedule: str) -> int:
+    """Decoder layers: one per stage (DualPipeV runs four at pp=2, 1F1B two)."""
+    return 4 if schedule == "dualpipev" else 2
+
+
 class TokenLoss(nn.Module):
     """A Llama's logits and the loss ``kind``: ``"labels"`` and ``"mean"`` return the model's
     own token mean; ``"masked"`` a user's token mean; ``"sum"`` a sum over counted tokens."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, layers: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.kind, self.model = kind, build("llama", 4)
+        self.kind, self.model = kind, build("llama", layers)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.kind in ("labels", "mean"):
@@ -78,7 +83,7 @@ def job(rank: int, world: int) -> dict:
     for case in CASES:
         kind, schedule, reshard = case
         torch._dynamo.reset()
-        model = zeroc.parallelize(TokenLoss(kind), zero=3, pp=world // DP)
+        model = zeroc.parallelize(TokenLoss(kind, layers(schedule)), zero=3, pp=world // DP)
         options = {"schedule": schedule, "microbatches": MICROBATCHES, "pp_reshard": reshard}
         if kind in OPTIONS:
             options["loss_reduction"] = OPTIONS[kind]
@@ -111,9 +116,9 @@ def replica_loss(model: nn.Module, kind: str, step: int, replica: int) -> torch.
                                                      strict=True)]).mean()
 
 
-def eager(kind: str) -> dict:
+def eager(kind: str, schedule: str) -> dict:
     """The reference: AdamW on the mean over replicas of each replica's loss."""
-    model = TokenLoss(kind)
+    model = TokenLoss(kind, layers(schedule))
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
     losses, grads = [], {}
     for step in range(STEPS):
@@ -136,7 +141,7 @@ def test_pipeline_times_data_parallel_equals_the_mean_of_replica_losses() -> Non
         assert counts[0] != counts[1], counts
     ranks = run_ranks(job, 4, timeout=500)
     for case in CASES:
-        reference = eager(case[0])
+        reference = eager(case[0], case[1])
         assert sorted(r[case]["replica"] for r in ranks) == [0, 0, 1, 1], case
         for result in ranks:  # each rank returns its own replica's loss
             expected = [losses[result[case]["replica"]] for losses in reference["losses"]]
