@@ -11,12 +11,14 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
   (``config.prefetch``) and waited right before bucket ``k`` is first needed, so the
   transfer overlaps the compute in between; every gathered tensor dies after its last use.
 - reduce_grad buckets: the padded gradients are laid out rank-major, then one
-  ``reduce_scatter_tensor`` (stages 2, 3) or ``all_reduce`` (stage 0, which ZeRO-1's whole
-  gradients use too) is issued as soon as the bucket's last gradient exists, and waited
-  before its first reader. The sum is divided by the group size (mean over ranks). On gloo,
-  whose reduce-scatter is an all-reduce plus a copy of the chunk (twice the bytes), stages 2
-  and 3 send row r of the rank-major bucket to rank r (``all_to_all_single``) and sum the
-  rows received, then divide (``zeroc::rows_sum_mean``, ``zeroc.runtime.collectives``).
+  ``reduce_scatter_tensor`` (stages 1, 2, 3) or ``all_reduce`` (stage 0) is issued as soon
+  as the bucket's last gradient exists, and waited before its first reader. The sum is
+  divided by the group size (mean over ranks). On gloo, whose reduce-scatter is an
+  all-reduce plus a copy of the chunk (twice the bytes), stages 1-3 send row r of the
+  rank-major bucket to rank r (``all_to_all_single``) and sum the rows received, then divide
+  (``zeroc::rows_sum_mean``, ``zeroc.runtime.collectives``). Stage 1's parameters are whole,
+  so each gradient's reduced rows are put back in a whole-size gradient
+  (``zeroc::whole_from_shard``), of which ``zeroc.sharding.sharded_params`` keeps the rows.
 - Mixed precision: an unshard's ``param_dtype`` is applied to the shard right before the
   gather (half the traffic in bf16); the backward's cast to ``reduce_dtype`` is already in
   the graph before ``reduce_grad``.
@@ -45,7 +47,7 @@ from zeroc.runtime.collectives import (
 )
 from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.torch_compat import detect_fake_mode
-from zeroc.runtime.zero_ops import group_size
+from zeroc.runtime.zero_ops import WHOLE_FROM_SHARD, WHOLE_STAGES, group_size
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -161,9 +163,9 @@ def _hoist(node: torch.fx.Node, before: torch.fx.Node, position: dict) -> None:
 
 def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
                     prefetch: int) -> int:
-    # Stage 0 keeps whole parameters: its unshard only reshapes, nothing to gather.
-    marks = [n for n in gm.graph.nodes
-             if n.target is UNSHARD and n.args[4] > 0 and group_size(n.args[3]) > 1]
+    # Stages 0 and 1 keep whole parameters: their unshard only reshapes, nothing to gather.
+    marks = [n for n in gm.graph.nodes if n.target is UNSHARD
+             and n.args[4] not in WHOLE_STAGES and group_size(n.args[3]) > 1]
     if not marks:
         return 0
     nodes = list(gm.graph.nodes)
@@ -282,7 +284,7 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
     for bucket in buckets:
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
-        by_all_to_all = stage >= 2 and reduce_scatter_runs_as_all_to_all(
+        by_all_to_all = stage >= 1 and reduce_scatter_runs_as_all_to_all(
             group_name, ctx.device, planned=ctx.planned is not None)
         # Issued as soon as the bucket's last gradient exists.
         last = max(bucket.nodes, key=_order)
@@ -303,12 +305,12 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             packed = pieces[0] if len(pieces) == 1 else build.call(
                 aten.cat.default, pieces, 0 if stage == 0 else 1)
             packed = build.call(aten.reshape.default, packed, [-1])
-            op = "reduce_scatter" if stage >= 2 else "all_reduce"
+            op = "reduce_scatter" if stage >= 1 else "all_reduce"
             if by_all_to_all:  # row r of the rank-major buffer to rank r
                 rows = [packed.meta["val"].numel() // dp] * dp
                 issued = build.call(functional.all_to_all_single.default, packed, rows, rows,
                                     group_name)
-            elif stage >= 2:
+            elif stage >= 1:
                 issued = build.call(functional.reduce_scatter_tensor.default, packed, "sum", dp,
                                     group_name)
             else:
@@ -338,6 +340,9 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
                 part = mean if len(widths) == 1 else build.call(
                     aten.slice.Tensor, mean, 0, offset, offset + width)
                 offset += width
+                if stage == 1:  # whole parameters: the rows in a whole-size gradient
+                    part = build.call(WHOLE_FROM_SHARD, part,
+                                      mark.args[0].meta["val"].numel(), group_name)
                 mark.replace_all_uses_with(part)
                 gm.graph.erase_node(mark)
         in_bytes = packed.meta["val"].numel() * packed.meta["val"].element_size()
@@ -351,11 +356,12 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
 
 
 def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
-    """Stage 0 (or a group of one) keeps whole flat parameters: unshard is a view, no copy."""
+    """Stages 0 and 1 (or a group of one) keep whole flat parameters: unshard is a view, no
+    copy."""
     build = _Builder(gm)
     lowered = 0
     for mark in [n for n in gm.graph.nodes if n.target is UNSHARD]:
-        if mark.args[4] > 0 and group_size(mark.args[3]) > 1:
+        if mark.args[4] not in WHOLE_STAGES and group_size(mark.args[3]) > 1:
             continue
         shard, shape, numel = mark.args[0], list(mark.args[1]), mark.args[2]
         with gm.graph.inserting_before(mark):

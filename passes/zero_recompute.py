@@ -12,8 +12,8 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard)
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.runtime.zero_ops import WHOLE_STAGES  # (registers zeroc::unshard)
 
 UNSHARD = torch.ops.zeroc.unshard.default
 
@@ -25,7 +25,7 @@ def tag_zero_recompute(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult
     """Set the recompute policy of every sharded parameter's gather."""
     tagged = 0
     for node in gm.graph.nodes:
-        if node.target is not UNSHARD or node.args[4] == 0:
+        if node.target is not UNSHARD or node.args[4] in WHOLE_STAGES:  # whole: no gather
             continue
         stage = node.args[4]
         policy = CheckpointPolicy.MUST_RECOMPUTE if stage == 3 else CheckpointPolicy.MUST_SAVE

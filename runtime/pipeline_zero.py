@@ -19,13 +19,13 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
 - reductions: after the action group that completes a set of parameters' gradients (the last
   B or W of every stage of this rank reading them), ``reduce_ready`` casts them to
   ``reduce_dtype``, packs them rank-major in buckets and issues one asynchronous
-  ``reduce_scatter_tensor`` (ZeRO-2/3; on gloo an ``all_to_all_single`` whose received rows
-  are summed when waited, ``zeroc.runtime.collectives``) or ``all_reduce`` (whole
-  parameters) per bucket; the
-  full gradients are dropped then. ``reduce`` at the end of the step waits for them (and
-  reduces, blocking, whatever was not issued yet: a step that accumulates without sync hands
-  its sum here), and each parameter's gradient becomes this rank's shard averaged over the
-  data-parallel ranks, in the shard's dtype.
+  ``reduce_scatter_tensor`` (ZeRO-1/2/3; on gloo an ``all_to_all_single`` whose received
+  rows are summed when waited, ``zeroc.runtime.collectives``) or ``all_reduce`` (ZeRO-0)
+  per bucket; the full gradients are dropped then. ``reduce`` at the end of the step waits
+  for them (and reduces, blocking, whatever was not issued yet: a step that accumulates
+  without sync hands its sum here), and each parameter's gradient becomes this rank's shard
+  averaged over the data-parallel ranks, in the shard's dtype (ZeRO-1, whose parameters are
+  whole: a whole-size gradient holding this rank's averaged rows, zeros elsewhere).
 
 Every rank of a data-parallel group runs the same position's schedule, so each issues the same
 collectives in the same order (NCCL's in-order matching). An asynchronous collective's input
@@ -55,7 +55,12 @@ from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
-from zeroc.runtime.zero_ops import group_size
+from zeroc.runtime.zero_ops import (
+    WHOLE_FROM_SHARD,
+    WHOLE_STAGES,
+    group_size,
+    padded_numel_for,
+)
 
 __all__ = ["HoistedParam", "StepZero", "ZeroOrder", "zero_order"]
 
@@ -67,7 +72,8 @@ class HoistedParam:
     """A parameter whose ``zeroc::unshard`` was taken out of the stage graphs.
 
     ``shape``/``numel``: the full parameter; ``zero_stage``: the op stage (0: whole
-    parameter, gradients all-reduced; 2, 3: sharded)."""
+    parameter, gradients all-reduced; 1: whole parameter, gradients reduce-scattered into
+    this rank's rows; 2, 3: sharded)."""
 
     index: int
     name: str
@@ -79,8 +85,19 @@ class HoistedParam:
     reduce_dtype: torch.dtype | None
 
     def ranks(self) -> int:
-        """How many shards the parameter is cut into (1: whole)."""
-        return 1 if self.zero_stage == 0 or not self.group_name else group_size(self.group_name)
+        """How many shards the flat buffer is cut into (1: whole)."""
+        if self.zero_stage in WHOLE_STAGES or not self.group_name:
+            return 1
+        return group_size(self.group_name)
+
+    def reduced_by(self) -> int:
+        """How many ranks' rows the gradient is reduce-scattered into (1: all-reduced)."""
+        return 1 if self.zero_stage == 0 or not self.group_name else group_size(
+            self.group_name)
+
+    def padded_numel(self) -> int:
+        """The gradient's size padded to ``reduced_by`` equal pieces of whole rows."""
+        return padded_numel_for(self.shape, self.reduced_by()) if self.shape else self.numel
 
     def bucket_key(self, dtype: torch.dtype) -> tuple[str, int, torch.dtype]:
         return (self.group_name, self.zero_stage, dtype)
@@ -214,8 +231,10 @@ class StepZero:
                     else:
                         if not first.group_name or group_size(first.group_name) == 1:
                             continue
-                        op = "all_reduce" if ranks == 1 else "reduce_scatter"
-                        moved = collective_bytes(op, ranks * numel * size, numel * size)
+                        pieces = first.reduced_by()
+                        op = "all_reduce" if pieces == 1 else "reduce_scatter"
+                        padded = numel if pieces == 1 else sum(p.padded_numel() for p, _ in bucket)
+                        moved = collective_bytes(op, padded * size, padded // pieces * size)
                         where = (f"last B/W of s{stage}", "end of step")
                     infos.append(CollectiveInfo(
                         name=f"step_{kind}_s{stage}_{n}", graph=graph, op=op,
@@ -344,8 +363,8 @@ class StepZero:
             grad = grads.pop(index).reshape(-1)
             if param.reduce_dtype is not None:
                 grad = grad.to(param.reduce_dtype)
-            # The shards are padded row-wise: the full padded size is a shard times the ranks.
-            padded = inputs[index].numel() * param.ranks()
+            # Reduce-scattered gradients are padded row-wise to equal pieces.
+            padded = param.padded_numel() if param.reduced_by() > 1 else grad.numel()
             if padded > grad.numel():
                 grad = torch.nn.functional.pad(grad, (0, padded - grad.numel()))
             todo.append((param, grad))
@@ -357,7 +376,7 @@ class StepZero:
     def _reduce_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
                        profile_name: str = "") -> _Pending:
         first = bucket[0][0]
-        ranks = first.ranks()
+        ranks = first.reduced_by()
         dp = group_size(first.group_name) if first.group_name else 1
         group = resolve_group(first.group_name) if first.group_name else None
         if ranks == 1:  # whole parameters: all-reduce the concatenation
@@ -388,7 +407,8 @@ class StepZero:
 
     def _unpack_reduced(self, pending: _Pending, grads: dict[int, torch.Tensor],
                         inputs: list[Any]) -> None:
-        shard, ranks = pending.output, pending.bucket[0][0].ranks()
+        first = pending.bucket[0][0]
+        shard, ranks = pending.output, first.reduced_by()
         if pending.rows > 1:  # an all-to-all's rows: summed, then averaged
             shard = chunk_sum_mean(shard, pending.rows)
         elif pending.divisor > 1:
@@ -400,4 +420,6 @@ class StepZero:
             offset += width
             if ranks == 1:
                 value = value[:param.numel]
+            elif param.zero_stage == 1:  # whole parameters: the rows in a whole-size gradient
+                value = WHOLE_FROM_SHARD(value, param.numel, param.group_name)
             grads[param.index] = value.to(inputs[param.index].dtype)

@@ -20,9 +20,15 @@ are a view of the front of that buffer.
 - ``reduce_grad(full_grad, padded_numel, group_name, zero_stage)`` returns this rank's flat
   gradient shard averaged over the group (stages 2 and 3: reduce-scatter). Stage 0 is plain
   data parallelism: the "shard" is the whole flat parameter, unshard is a reshape and
-  reduce_grad an averaging all-reduce. ZeRO-1 keeps whole parameters and gradients and uses
-  stage-0 ops; its optimizer-state sharding lives outside the graph
-  (``zeroc.sharding.sharded_params``).
+  reduce_grad an averaging all-reduce. Stage 1 (ZeRO-1 as DeepSpeed defines it) keeps the
+  whole parameter, so unshard is a reshape with no collective, but reduces the gradient by a
+  reduce-scatter of its row-padded buffer (``padded_numel``: ``padded_numel_for``): only this
+  rank's rows are averaged, which is all its optimizer updates. The result has the whole
+  parameter's size (the gradient of a whole flat buffer), this rank's rows in place and
+  zeros elsewhere (``zeroc::whole_from_shard``); ``zeroc.sharding.sharded_params`` keeps
+  only the rows and all-gathers the updated rows after ``optimizer.step()``. A step moves
+  what DDP's all-reduce moves (a reduce-scatter and an all-gather), not an all-reduce and
+  an all-gather.
 
 With ``group_name == ""`` or a group of one rank both ops only reshape (they copy, because a
 custom op's output may not alias its input). Both have fake implementations and an autograd
@@ -109,18 +115,25 @@ def group_rank(group_name: str) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-# Stages the ops take: 0 (replicated, gradients all-reduced) or 2 and 3 (sharded,
-# gradients reduce-scattered). ZeRO-1 parameters use stage-0 ops (see the module docstring).
-OP_STAGES = (0, 2, 3)
+# Stages the ops take: 0 (whole, gradients all-reduced), 1 (whole, gradients
+# reduce-scattered into this rank's rows) or 2 and 3 (sharded, gradients reduce-scattered).
+OP_STAGES = (0, 1, 2, 3)
+WHOLE_STAGES = (0, 1)  # the flat buffer is the whole parameter on every rank
 
 
 def _check_stage(op: str, zero_stage: int) -> None:
     if zero_stage not in OP_STAGES:
-        raise ValueError(f"zeroc::{op}: zero_stage={zero_stage!r} is not allowed (0, 2 or 3)")
+        raise ValueError(
+            f"zeroc::{op}: zero_stage={zero_stage!r} is not allowed (0, 1, 2 or 3)")
 
 
 def _ranks_for(group_name: str, zero_stage: int) -> int:
-    """How many shards the parameter is cut into: 1 for stage 0 (replicated)."""
+    """How many shards the flat buffer is cut into: 1 for stages 0 and 1 (whole)."""
+    return 1 if zero_stage in WHOLE_STAGES else group_size(group_name)
+
+
+def _reduced_by(group_name: str, zero_stage: int) -> int:
+    """How many ranks' rows a gradient is reduce-scattered into: 1 for stage 0 (all-reduce)."""
     return 1 if zero_stage == 0 else group_size(group_name)
 
 
@@ -133,6 +146,27 @@ _LIB.define(
 _LIB.define(
     "reduce_grad(Tensor full_grad, int padded_numel, str group_name, int zero_stage) -> Tensor"
 )
+_LIB.define("whole_from_shard(Tensor shard, int numel, str group_name) -> Tensor")
+
+
+@torch.library.impl(_LIB, "whole_from_shard", "CompositeExplicitAutograd")
+def _whole_from_shard(shard: torch.Tensor, numel: int, group_name: str) -> torch.Tensor:
+    """A flat tensor of ``numel`` elements: zeros, with this rank's ``shard`` (its rows of a
+    row-padded buffer) at the rank's offset, cut off at ``numel``."""
+    whole = shard.new_zeros(numel)
+    start = group_rank(group_name) * shard.numel()
+    end = min(numel, start + shard.numel())
+    if end > start:
+        whole[start:end] = shard[: end - start]
+    return whole
+
+
+@torch.library.register_fake("zeroc::whole_from_shard", lib=_LIB)
+def _whole_from_shard_fake(shard: torch.Tensor, numel: int, group_name: str) -> torch.Tensor:
+    return shard.new_empty(numel)
+
+
+WHOLE_FROM_SHARD = torch.ops.zeroc.whole_from_shard.default
 
 
 @torch.library.impl(_LIB, "unshard", "CompositeExplicitAutograd")
@@ -173,8 +207,9 @@ def _reduce_grad(
     full_grad: torch.Tensor, padded_numel: int, group_name: str, zero_stage: int
 ) -> torch.Tensor:
     _check_stage("reduce_grad", zero_stage)
-    ranks = _ranks_for(group_name, zero_stage)
+    ranks = _reduced_by(group_name, zero_stage)
     flat = full_grad.reshape(-1)
+    numel = flat.numel()
     if padded_numel % ranks != 0 or padded_numel < flat.numel():
         raise ValueError(
             f"zeroc::reduce_grad: padded_numel={padded_numel} must be a multiple of the group "
@@ -187,12 +222,13 @@ def _reduce_grad(
         flat = flat.clone()
     dp = group_size(group_name)
     if dp == 1:
-        return flat
+        return flat[:numel] if zero_stage == 1 else flat
     group = resolve_group(group_name)
-    if zero_stage in (2, 3):
+    if zero_stage > 0:
         shard = flat.new_empty(padded_numel // dp)
         reduce_scatter_single(shard, flat, op=dist.ReduceOp.SUM, group=group)
-        return shard.div_(dp)
+        shard.div_(dp)
+        return _whole_from_shard(shard, numel, group_name) if zero_stage == 1 else shard
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     return flat.div_(dp)
 
@@ -201,11 +237,14 @@ def _reduce_grad(
 def _reduce_grad_fake(
     full_grad: torch.Tensor, padded_numel: int, group_name: str, zero_stage: int
 ) -> torch.Tensor:
+    if zero_stage == 1:  # the whole parameter's size
+        return full_grad.new_empty(full_grad.numel())
     return full_grad.new_empty(padded_numel // _ranks_for(group_name, zero_stage))
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, _shape, _numel, group_name, zero_stage, _param_dtype, reduce_dtype, pending = inputs
+    shard, shape, _numel, group_name, zero_stage, _param_dtype, reduce_dtype, pending = inputs
+    ctx.shape = tuple(shape)
     ctx.shard_numel = shard.shape[0]
     ctx.shard_dtype = shard.dtype
     ctx.group_name = group_name
@@ -217,7 +256,10 @@ def _unshard_setup_context(ctx, inputs, output) -> None:
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    padded = ctx.shard_numel * _ranks_for(ctx.group_name, ctx.zero_stage)
+    if ctx.zero_stage == 1:  # whole buffer, reduce-scattered by rows
+        padded = padded_numel_for(ctx.shape, group_size(ctx.group_name))
+    else:
+        padded = ctx.shard_numel * _ranks_for(ctx.group_name, ctx.zero_stage)
     if ctx.reduce_dtype is not None:
         grad = grad.to(ctx.reduce_dtype)
     if ctx.has_pending:
@@ -253,7 +295,7 @@ def reduce_grad(
     return torch.ops.zeroc.reduce_grad(full_grad, padded_numel, group_name, zero_stage)
 
 
-__all__ += ["unshard", "reduce_grad"]
+__all__ += ["OP_STAGES", "WHOLE_FROM_SHARD", "WHOLE_STAGES", "reduce_grad", "unshard"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,8 +405,8 @@ class ZeroLayout:
         """Bytes a rank holds between steps: (parameters, gradients, optimizer state).
 
         Parameters: the flat buffers (stages 0 and 1: whole; 2 and 3: this rank's padded rows).
-        Gradients (after the backward, until ``zero_grad``): whole at stages 0 and 1, this
-        rank's rows at 2 and 3. Optimizer state: ``optimizer_states`` tensors (Adam: 2) of
+        Gradients (after the backward, until ``zero_grad``): whole at stage 0, this rank's
+        rows at 1, 2 and 3. Optimizer state: ``optimizer_states`` tensors (Adam: 2) of
         this rank's rows (stage 0: whole). Frozen parameters have neither. ``names``: only
         the parameters of these names (a pipeline rank's own stages); ``dp_index``: the rows
         of that data-parallel index instead of this rank's.

@@ -228,3 +228,23 @@ def test_cli_full_flag() -> None:
     assert _parser().parse_args(["m.py:build", "--world", "2", "--full"]).full
     assert not _parser().parse_args(["m.py:build", "--world", "2"]).full
     assert "--full" in _parser().format_help()
+
+
+def test_zero1_plan_says_what_it_holds_and_moves() -> None:
+    """DeepSpeed's ZeRO-1 in a plan for 4 CUDA ranks: the header says what the stage holds,
+    the backward reduce-scatters (no all-reduce, no gather in the graphs), the one all-gather
+    runs after ``optimizer.step()``, and the two move what ZeRO-2 moves."""
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    plans = {zero: explain_plan(GPT(GPTConfig.tiny(), seed=0), (tokens, tokens), world=4,
+                                zero=zero, device="cuda") for zero in (1, 2)}
+    text = str(plans[1].full())
+    assert re.search(r"^zero 1: whole parameters; gradients and optimizer state this rank's "
+                     r"rows; gradients\s+reduce-scattered, parameters all-gathered after "
+                     r"optimizer\.step\(\)", text, re.M), text[:600]
+    ops = {(c.graph.rsplit(".", 1)[-1], c.op) for c in plans[1].collectives}
+    assert ops == {("backward", "reduce_scatter"), ("step", "all_gather")}, ops
+    moved = {z: sum(c.bytes for c in p.collectives) for z, p in plans.items()}
+    assert moved[1] == moved[2], moved
+    held = plans[1].memory[0]
+    assert held.grads * 4 == held.params and held.optimizer == 2 * held.grads, held

@@ -57,7 +57,7 @@ def test_ops_without_a_group_only_reshape() -> None:
     "call, message",
     [
         (lambda: unshard(torch.zeros(4), (4,), 4, "", 4), "zero_stage=4"),
-        (lambda: unshard(torch.zeros(4), (4,), 4, "", 1), r"zero_stage=1 .*\(0, 2 or 3\)"),
+        (lambda: unshard(torch.zeros(4), (4,), 4, "", 5), r"zero_stage=5 .*\(0, 1, 2 or 3\)"),
         (lambda: unshard(torch.zeros(2, 2), (4,), 4, "", 3), "must be 1-D"),
         (lambda: unshard(torch.zeros(3), (4,), 4, "", 3), "cannot hold numel=4"),
         (lambda: reduce_grad(torch.zeros(5), 4, "", 3), "padded_numel=4"),
@@ -131,8 +131,8 @@ def ops_on_ranks(rank: int, world: int) -> dict:
     group = build_mesh(1).dp_group_name
     out: dict = {"group": group}
     full = torch.arange(9.0).view(3, 3)
-    for stage in (0, 2, 3):
-        shard = full.flatten().clone() if stage == 0 else shard_of(full, world, rank)
+    for stage in (0, 1, 2, 3):
+        shard = full.flatten().clone() if stage <= 1 else shard_of(full, world, rank)
         shard.requires_grad_(True)
         gathered = unshard(shard, (3, 3), 9, group, stage)
         # Rank r's gradient is (r + 1) * ones: the average over ranks is (world + 1) / 2.
@@ -159,10 +159,15 @@ def test_ops_communicate_on_two_ranks() -> None:
     mean_grad = torch.full((9,), (world + 1) / 2)
     assert results[0]["group"] != ""
     for rank, result in enumerate(results):
-        for stage in (0, 2, 3):
+        for stage in (0, 1, 2, 3):
             assert torch.equal(result[stage]["gathered"], full)
-            # Stage 0 keeps the whole gradient; sharded stages a zero-padded slice of it.
+            # Stage 0 keeps the whole gradient; sharded stages a zero-padded slice of it;
+            # stage 1 (whole parameters) this rank's rows of it in place, zeros elsewhere.
             expected = mean_grad if stage == 0 else shard_of(mean_grad.view(3, 3), world, rank)
+            if stage == 1:
+                expected = torch.zeros(9)
+                rows = slice(rank * 6, min(9, rank * 6 + 6))  # 2 rows of 3 per rank
+                expected[rows] = mean_grad[rows]
             torch.testing.assert_close(result[stage]["grad"], expected)
         assert result["bf16"].dtype == torch.bfloat16
         assert torch.equal(result["bf16"], full.bfloat16())

@@ -20,7 +20,9 @@ import zeroc
 
 # Nodes per compiled graph of the zoo GPT on 2 ranks before parameters became DTensors
 # (forward, backward); stage 1 had a forward gather then. The DTensor change adds none.
-NODES_BEFORE = {0: (125, 205), 1: (197, 243), 2: (197, 238), 3: (187, 294)}
+# Stage 1 now reduces as stage 2 does and puts each of the GPT's 28 parameters' rows back in
+# a whole-size gradient (one zeroc::whole_from_shard each): stage 2's backward + 28.
+NODES_BEFORE = {0: (125, 205), 1: (197, 238 + 28), 2: (197, 238), 3: (187, 294)}
 
 
 def _full_grads(model) -> dict[str, torch.Tensor]:

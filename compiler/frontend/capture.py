@@ -110,7 +110,7 @@ def compile_dynamo_graph(
     record.device = str(device)
     log.debug("zeroc: %s: a Dynamo graph of %d nodes on %s", prefix, len(gm.graph.nodes), device)
     input_names = _input_names(gm)
-    # ZeRO-1 parameters use stage-0 ops: the model's stage comes from its layout.
+    # The model's ZeRO stage comes from its layout (the graph's markers name op stages).
     layout = next((v._zeroc_layout for v in example_inputs if hasattr(v, "_zeroc_layout")), None)
     session.add(record)
     # What eager's backward would reach, read before any zeroc pass can change the graph.

@@ -353,7 +353,7 @@ def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,
     elif full.dim() == 0:
         placement, op_stage = "replicate", 0
     else:
-        placement, op_stage = "shard", (0 if zero == 1 else zero)
+        placement, op_stage = "shard", zero
     dp, index = mesh.dp, mesh.dp_index
     # Planning: fake tensors hold no values, so the shard is only its size (a world of 64
     # ranks makes hundreds of them per pipeline position), made without dispatching an op.

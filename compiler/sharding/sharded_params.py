@@ -32,9 +32,13 @@ gradient before the one reduction, so k micro-steps cost one reduction per bucke
 pipelined step reads the switch when it runs and keeps its own pending sums
 (``ZeroState.pipeline_pending``, see ``zeroc.pipeline.pipelined_step``).
 
-ZeRO-1 keeps whole parameters and whole gradients; the visible DTensor covers this rank's rows
-of them, so the optimizer holds state for those rows only, and after ``optimizer.step()`` one
-all-gather per dtype brings every rank's updated rows to all (``after_optimizer_step``).
+ZeRO-1 keeps whole parameters (the forward gathers nothing); the visible DTensor covers this
+rank's rows, so the optimizer holds state for those rows only. The backward reduce-scatters
+each gradient into the rows of the rank that updates them (``zeroc::reduce_grad`` at stage
+1), and ``move_grad`` keeps only those rows (a copy, so the whole-size gradient is freed);
+after ``optimizer.step()`` one all-gather per dtype brings every rank's updated rows to all
+(``after_optimizer_step``). A step moves a reduce-scatter and an all-gather of the
+parameters, DDP's traffic.
 """
 
 from __future__ import annotations
@@ -145,7 +149,10 @@ class ShardedParam:
         if not self.visible.requires_grad:  # frozen since the graph was traced: none, as eager
             return
         self.sink = None
-        incoming = self.wrap(self.local_view(grad))
+        rows = self.local_view(grad)
+        if self.record.op_stage == 1:  # ZeRO-1: keep the rows, free the whole-size gradient
+            rows = rows.clone()
+        incoming = self.wrap(rows)
         if self.visible.grad is None:
             self.visible.grad = incoming
         else:
@@ -370,7 +377,7 @@ def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
             sharded = sharded_of(param)
             # A parameter another pipeline stage holds (released here) has no rows on this
             # rank; the ranks of one data-parallel group hold the same stages, so they agree.
-            if sharded is not None and sharded.record.op_stage == 0 and (
+            if sharded is not None and sharded.record.op_stage == 1 and (
                     sharded.placement == "shard") and sharded.held:
                 key = (sharded.spec.group_name, sharded.flat.dtype)
                 pending.setdefault(key, []).append(sharded)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
-from zeroc.runtime.zero_ops import shard_of
+from zeroc.runtime.zero_ops import WHOLE_STAGES, shard_of
 from zeroc.sharding.parallelize import layout_of
 from zeroc.sharding.sharded_params import ShardedParam, sharded_of
 from zeroc.sharding.stage_holding import all_parameters
@@ -55,7 +55,7 @@ def _gather_to(sharded: ShardedParam, dst: int) -> torch.Tensor | None:
     """The full parameter on global rank ``dst`` (``None`` elsewhere); collective over dp."""
     flat = sharded.flat.detach()
     record = sharded.record
-    if record.op_stage == 0:  # whole on every rank (stages 0, 1; 0-d parameters)
+    if record.op_stage in WHOLE_STAGES:  # whole on every rank (stages 0, 1; 0-d params)
         return flat[: record.numel].view(record.shape).clone()
     group = sharded.dp_mesh.get_group()
     pieces = None
@@ -83,7 +83,7 @@ def full_state_dict(model: nn.Module, cpu_offload: bool = False) -> dict[str, to
             full = gathered[id(sharded)]
         else:
             full = None
-            if sharded.record.op_stage == 0:  # whole on every rank: nothing to gather
+            if sharded.record.op_stage in WHOLE_STAGES:  # whole on every rank: no gather
                 full = _gather_to(sharded, source) if rank == source else None
             elif source in layout.mesh.dp_group_ranks:  # the source's dp group gathers
                 full = _gather_to(sharded, source)
@@ -238,7 +238,7 @@ def load_full_state_dict(
                 continue
             if sharded is None:
                 target.copy_(full)
-            elif sharded.record.op_stage == 0:
+            elif sharded.record.op_stage in WHOLE_STAGES:
                 storage.copy_(full.reshape(-1))
             else:
                 storage.copy_(shard_of(full, layout.dp, layout.mesh.dp_index))

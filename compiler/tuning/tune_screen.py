@@ -121,13 +121,14 @@ def _stages(profile: ModelProfile, times: list[float], count: int) -> list[_Stag
 
 def state_bytes(params: int, zero: int, dp: int) -> int:
     """Parameters, gradients and AdamW moments a rank keeps between steps for ``params``
-    fp32 bytes at ZeRO ``zero``: zeroc's ZeRO-1 shards the moments, ZeRO-2 and 3 all three
-    (ZeRO-2 gathers the parameters for the whole step, ZeRO-3 where they are used)."""
+    fp32 bytes at ZeRO ``zero``: ZeRO-1 keeps whole parameters and shards the gradients
+    (the rows its reduce-scatter gives) and moments, ZeRO-2 and 3 all three (ZeRO-2 gathers
+    the parameters for the whole step, ZeRO-3 where they are used)."""
     shard = -(-params // dp)
     if zero == 0:
         return STATE_BYTES_PER_PARAM_BYTE * params
     if zero == 1:
-        return 2 * params + 2 * shard
+        return params + 3 * shard
     return STATE_BYTES_PER_PARAM_BYTE * shard
 
 

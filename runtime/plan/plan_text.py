@@ -50,6 +50,18 @@ MEMORY_LEGEND = (
     "activations; moved per step = collective bytes a training step sends (ZeRO accounting)")
 
 
+# What each ZeRO stage holds on a rank and moves per step (the README's stage table).
+ZERO_STAGE_TEXT = {
+    0: "whole parameters, gradients and optimizer state; gradients all-reduced",
+    1: "whole parameters; gradients and optimizer state this rank's rows; gradients "
+       "reduce-scattered, parameters all-gathered after optimizer.step()",
+    2: "parameters, gradients and optimizer state this rank's rows; parameters gathered once "
+       "per forward, gradients reduce-scattered",
+    3: "parameters, gradients and optimizer state this rank's rows; parameters gathered where "
+       "used (again in the backward), gradients reduce-scattered",
+}
+
+
 def _header(plan: Plan, all_options: bool) -> list[str]:
     meta = plan.meta
     mesh = " x ".join(f"{k}={v}" for k, v in meta.mesh) or "single device"
@@ -63,7 +75,10 @@ def _header(plan: Plan, all_options: bool) -> list[str]:
         first = wrap(f"{first}; layout and options tuned by zeroc.tune "
                      f"(parallelize(layout='auto')), from {meta.layout_from}"
                      + (f": {meta.layout_match}" if meta.layout_match else ""), "  ")
-    lines = [first, place, wrap(_options_line(meta, all_options), "  ")]
+    lines = [first, place]
+    if meta.zero in ZERO_STAGE_TEXT and meta.world_size > 1:
+        lines.append(wrap(f"zero {meta.zero}: {ZERO_STAGE_TEXT[meta.zero]}", "  "))
+    lines.append(wrap(_options_line(meta, all_options), "  "))
     if plan.estimate is not None:
         e = plan.estimate
         lines.append(wrap(
