@@ -1,4 +1,4 @@
-"""zeroc ZeRO-3 and ZeRO-2 against FSDP2 (eager and compiled) and DDP: step time and memory.
+"""zeroc ZeRO-3, ZeRO-2 and ZeRO-1 against FSDP2 (eager and compiled) and DDP: step time and memory.
 
 The zoo GPT (about 4.2M parameters by default: width 256, 4 layers, vocab 4096, sequence 128)
 trains with AdamW on 2 gloo ranks on CPU, batch 8 x 128 per rank. Each configuration runs in
@@ -8,6 +8,8 @@ reports belongs to that configuration alone:
 - ``zeroc_zero3``: ``zeroc.parallelize(model, zero=3)``, then ``torch.compile(model,
   backend="zeroc", options={"bucket_mb": ..., "prefetch": ...})``.
 - ``zeroc_zero2``: the same with ``zero=2``.
+- ``zeroc_zero1``: the same with ``zero=1`` (whole parameters; gradients reduce-scattered into
+  each rank's rows, the updated rows all-gathered after ``opt.step()``: DDP's bytes).
 - ``fsdp2``: ``fully_shard`` on every ``layers.{i}`` and then on the root, eager.
 - ``fsdp2_compiled``: the same, then ``torch.compile(model, backend="aot_eager")``.
 - ``ddp``: ``DistributedDataParallel``, eager.
@@ -54,11 +56,11 @@ from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
 
 from zeroc.cli.launch import run_ranks  # noqa: E402
 
-CONFIGS = ("zeroc_zero3", "zeroc_zero2", "fsdp2", "fsdp2_compiled", "ddp")
-ZEROC_STAGES = {"zeroc_zero3": 3, "zeroc_zero2": 2}
+CONFIGS = ("zeroc_zero3", "zeroc_zero2", "zeroc_zero1", "fsdp2", "fsdp2_compiled", "ddp")
+ZEROC_STAGES = {"zeroc_zero3": 3, "zeroc_zero2": 2, "zeroc_zero1": 1}
 # (zeroc configuration, baseline) pairs the ratio table shows.
 RATIOS = (("zeroc_zero3", "fsdp2"), ("zeroc_zero3", "fsdp2_compiled"), ("zeroc_zero3", "ddp"),
-          ("zeroc_zero2", "ddp"), ("zeroc_zero2", "fsdp2"))
+          ("zeroc_zero2", "ddp"), ("zeroc_zero2", "fsdp2"), ("zeroc_zero1", "ddp"))
 # Per-repeat numbers whose median over the repeats is reported.
 NUMBERS = ("step_ms", "cpu_ms", "peak_rss_mb", "steady_rss_mb", "model_state_mb", "wall_s")
 
