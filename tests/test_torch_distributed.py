@@ -2,8 +2,10 @@
 frozen parameters and mixed-precision policies, on gloo ranks against single-process eager.
 
 The zoo GPT trains through ``torch.compile(..., backend="zeroc")``. A 2-rank job saves a DCP
-checkpoint after two ZeRO-3 steps; a 4-rank job (a fresh process group, dp=4) and a plain
-single-process model load it and train on; both must equal an uninterrupted run.
+checkpoint after two ZeRO-3 steps; a 4-rank job (a fresh process group, dp=4) loads it into
+ZeRO-3 and ZeRO-1 models (ZeRO-1 by ``set_model_state_dict`` and by DCP's in-place load alone:
+either must reach the whole parameters every rank keeps), a plain single-process model loads
+it too, and all train on; each must equal an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ def full_training_state(model: nn.Module, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(model: nn.Module, optimizer, directory: str) -> None:
+def _load(model: nn.Module, optimizer, directory: str, in_place: bool = False) -> None:
+    """Load a DCP checkpoint; ``in_place``: the model's values only by ``dcp.load`` writing
+    into ``get_model_state_dict``'s tensors (no ``set_model_state_dict``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -121,17 +125,24 @@ def _load(model: nn.Module, optimizer, directory: str) -> None:
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=directory)
-    set_model_state_dict(model, state["model"])
+    if not in_place:
+        set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
+RESUMED = {"zero3": (3, False), "zero1": (1, False), "zero1_in_place": (1, True)}
+
+
 def resume_job(rank: int, world: int, directory: str) -> dict:
-    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=99), zero=3)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
-    _load(model, optimizer, directory)
-    loaded = full_training_state(model, optimizer)
-    losses, _ = train_ranks(model, optimizer, range(2, 4), rank, world)
-    return {"losses": losses, "full": zeroc.full_state_dict(model), "loaded": loaded}
+    out = {}
+    for name, (zero, in_place) in RESUMED.items():
+        model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=99), zero=zero)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
+        _load(model, optimizer, directory, in_place=in_place)
+        loaded = full_training_state(model, optimizer)
+        losses, _ = train_ranks(model, optimizer, range(2, 4), rank, world)
+        out[name] = {"losses": losses, "full": zeroc.full_state_dict(model), "loaded": loaded}
+    return out
 
 
 @pytest.mark.slow
@@ -140,23 +151,26 @@ def test_dcp_checkpoint_reshards_from_dp2_to_dp4_and_to_a_plain_model(tmp_path) 
     directory = str(tmp_path / "ckpt")
     saved = run_ranks(save_job, 2, directory, timeout=300)
     assert saved[0]["kinds"] == {"DTensor"}
-    resumed = run_ranks(resume_job, 4, directory, timeout=300)
+    resumed = run_ranks(resume_job, 4, directory, timeout=300)[0]
     plain = GPT(GPTConfig.tiny(), seed=99)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), **ADAM)
     _load(plain, plain_optimizer, directory)
     # What was saved at dp=2 is loaded exactly, resharded to dp=4 and into the plain model.
-    for loaded in (resumed[0]["loaded"], full_training_state(plain, plain_optimizer)):
+    loads = [run["loaded"] for run in resumed.values()]
+    for loaded in (*loads, full_training_state(plain, plain_optimizer)):
         assert loaded.keys() == saved[0]["saved"].keys()
         for key, value in saved[0]["saved"].items():
             assert torch.equal(loaded[key], value), key
     plain_losses, _, plain = eager_run(range(2, 4), plain, optimizer=plain_optimizer)
     ref_losses, _, ref = eager_run(range(4))
-    torch.testing.assert_close(torch.tensor(saved[0]["losses"] + resumed[0]["losses"]),
-                               torch.tensor(ref_losses), rtol=1e-6, atol=0)
+    for name, run in resumed.items():
+        torch.testing.assert_close(torch.tensor(saved[0]["losses"] + run["losses"]),
+                                   torch.tensor(ref_losses), rtol=1e-6, atol=0, msg=name)
     torch.testing.assert_close(torch.tensor(plain_losses), torch.tensor(ref_losses[2:]),
                                rtol=1e-6, atol=0)
     # Training on equals the uninterrupted run up to the reduction order of dp=4 (fp32 parity).
-    assert_tensors_match(ref.state_dict(), resumed[0]["full"], "resumed at dp=4")
+    for name, run in resumed.items():
+        assert_tensors_match(ref.state_dict(), run["full"], f"resumed at dp=4, {name}")
     assert_tensors_match(ref.state_dict(), plain.state_dict(), "resumed in a plain model")
 
 

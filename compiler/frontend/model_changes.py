@@ -42,6 +42,7 @@ from zeroc.runtime import torch_compat
 from zeroc.runtime.errors import ModelChangedError
 from zeroc.runtime.torch_compat import current_translator
 from zeroc.sharding.sharded_params import ShardedParam, ZeroState
+from zeroc.sharding.whole_rows import refresh_stale
 
 __all__ = ["ModelChangedError", "check_graph_parameters", "check_requires_grad",
            "install", "sync_requires_grad", "watch_requires_grad"]
@@ -98,6 +99,7 @@ def _sync(module: nn.Module) -> None:
     state = module.__dict__.get("_zeroc_state")
     if state is not None:
         sync_requires_grad(module, state)
+        refresh_stale(state.params, "before the forward")
 
 
 # The file of ``nn.Module.__call__``: a frame Dynamo compiles from there is a module's own call.

@@ -81,12 +81,12 @@ from zeroc.sharding.sharded_params import (
     ShardedParam,
     UnshardSpec,
     ZeroState,
-    ensure_step_hook,
     finish_modules,
     install,
     set_requires_gradient_sync,
 )
 from zeroc.sharding.stage_holding import FLAT_SHARDED_ATTR, install_state_dict_hooks
+from zeroc.sharding.whole_rows import ensure_step_hook, refresh_after_load
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
 
@@ -286,6 +286,7 @@ def parallelize(
     track_requires_grad(model)  # requires_grad changes take effect at the next call
     if zero == 1:
         ensure_step_hook()
+        model.register_load_state_dict_post_hook(refresh_after_load)
     if mesh_.pp > 1:
         from zeroc.sharding.pipeline_clip import register
 

@@ -37,7 +37,7 @@ rank's rows, so the optimizer holds state for those rows only. The backward redu
 each gradient into the rows of the rank that updates them (``zeroc::reduce_grad`` at stage
 1), and ``move_grad`` keeps only those rows (a copy, so the whole-size gradient is freed);
 after ``optimizer.step()`` one all-gather per dtype brings every rank's updated rows to all
-(``after_optimizer_step``). A step moves a reduce-scatter and an all-gather of the
+(``zeroc.sharding.whole_rows``). A step moves a reduce-scatter and an all-gather of the
 parameters, DDP's traffic.
 """
 
@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zeroc.runtime.torch_compat import all_gather_single, make_contiguous_strides_for
+from zeroc.runtime.torch_compat import make_contiguous_strides_for
 from zeroc.runtime.zero_ops import ParamShard, unshard
 from zeroc.sharding.param_guards import guard_methods
 
@@ -99,6 +99,9 @@ class ShardedParam:
     deferred: Any = None
     # ``move_grad`` is registered on ``flat`` (``zeroc.frontend.model_changes``)
     hooked: bool = False
+    # ZeRO-1: ``rows_stamp()`` when the whole parameter last equalled every rank's rows; a
+    # write since (a load into the visible rows) makes it stale (``zeroc.sharding.whole_rows``).
+    rows_version: tuple[int, int] = (-1, -1)
 
     def open_sink(self) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
@@ -106,6 +109,12 @@ class ShardedParam:
             dtype = self.spec.reduce_dtype or self.flat.dtype
             zero = torch.zeros((), dtype=dtype, device=self.flat.device)
             self.sink = zero.expand(self.record.shape).requires_grad_()
+
+    def rows_stamp(self) -> tuple[int, int]:
+        """The version counters every in-place write of this rank's rows advances: the flat
+        buffer's (writes into a view of it, or into the DTensor's local tensor) and the visible
+        parameter's (writes through the DTensor, whose inner ops do not advance the former)."""
+        return self.flat._version, self.visible._version
 
     def local_layout(self) -> tuple[int, tuple[int, ...]]:
         """Where this rank's rows lie in the flat buffer: (first element, their shape)."""
@@ -263,17 +272,25 @@ SAVE_SETTINGS = _SaveSettings()
 
 def _saver(cls: type, names: tuple[str, ...]):
     """``_save_to_state_dict`` that leaves out parameters released to other pipeline ranks
-    (``zeroc.sharding.stage_holding``): the ranks holding them save them."""
+    (``zeroc.sharding.stage_holding``): the ranks holding them save them.
+
+    A ZeRO-1 parameter is saved as a DTensor over the flat buffer's rows that shares the
+    buffer's version counter (the visible parameter's ``detach()`` would not), so an in-place
+    load into the state dict (DCP's ``dcp.load``) is seen: ``zeroc.sharding.whole_rows``."""
     def save(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
-        released = {n for n in names if not self.__dict__[SHARD_PREFIX + n].held}
-        if not released or SAVE_SETTINGS.include_released:
-            return cls._save_to_state_dict(self, destination, prefix, keep_vars)
+        shards = {n: self.__dict__[SHARD_PREFIX + n] for n in names}
+        released = {n for n, sharded in shards.items() if not sharded.held}
         params = self.__dict__["_parameters"]
-        self.__dict__["_parameters"] = {k: v for k, v in params.items() if k not in released}
+        if released and not SAVE_SETTINGS.include_released:
+            self.__dict__["_parameters"] = {k: v for k, v in params.items() if k not in released}
         try:
-            return cls._save_to_state_dict(self, destination, prefix, keep_vars)
+            cls._save_to_state_dict(self, destination, prefix, keep_vars)
         finally:
             self.__dict__["_parameters"] = params
+        for name, sharded in shards.items():
+            if (not keep_vars and sharded.record.op_stage == 1 and sharded.placement == "shard"
+                    and prefix + name in destination):
+                destination[prefix + name] = sharded.wrap(sharded.local_view(sharded.flat.detach()))
 
     return save
 
@@ -302,6 +319,7 @@ def install(owners: list[tuple[nn.Module, str]], sharded: ShardedParam) -> None:
         module.__dict__[SHARD_PREFIX + local] = sharded
         module.__dict__[FIRST_PREFIX + local] = index == 0
     setattr(sharded.visible, SHARDED_ATTR, sharded)
+    sharded.rows_version = sharded.rows_stamp()
     # A frozen parameter gets no gradient (one unfrozen later: ``zeroc.frontend.model_changes``).
     if sharded.flat.requires_grad:
         sharded.flat.register_post_accumulate_grad_hook(sharded.move_grad)
@@ -342,55 +360,3 @@ def set_requires_gradient_sync(state: ZeroState, requires_gradient_sync: bool) -
 def sharded_of(param: torch.Tensor) -> ShardedParam | None:
     """The ``ShardedParam`` behind a visible parameter, if it is one."""
     return getattr(param, SHARDED_ATTR, None)
-
-
-def _gather_whole_rows(params: list[ShardedParam]) -> None:
-    """ZeRO-1 after a step: all-gather every rank's rows of ``params`` (one dtype, one group)."""
-    first = params[0]
-    group = first.dp_mesh.get_group()
-    dp = group.size()
-    pieces, widths = [], []
-    for p in params:
-        per_rank = -(-p.record.shape[0] // dp) * (p.record.numel // p.record.shape[0])
-        local = p.flat.detach()[p.local_offset : p.local_offset + per_rank]
-        if local.numel() < per_rank:
-            local = torch.nn.functional.pad(local, (0, per_rank - local.numel()))
-        pieces.append(local)
-        widths.append(per_rank)
-    send = torch.cat(pieces)
-    recv = send.new_empty(dp * send.numel())
-    all_gather_single(recv, send, group=group)
-    rows = recv.view(dp, -1)
-    offset = 0
-    with torch.no_grad():
-        for p, width in zip(params, widths, strict=True):
-            whole = rows[:, offset : offset + width].reshape(-1)[: p.record.numel]
-            p.flat.copy_(whole)
-            offset += width
-
-
-def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global optimizer step post-hook: refresh ZeRO-1 parameters from every rank's rows."""
-    pending: dict[tuple[str, torch.dtype], list[ShardedParam]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            sharded = sharded_of(param)
-            # A parameter another pipeline stage holds (released here) has no rows on this
-            # rank; the ranks of one data-parallel group hold the same stages, so they agree.
-            if sharded is not None and sharded.record.op_stage == 1 and (
-                    sharded.placement == "shard") and sharded.held:
-                key = (sharded.spec.group_name, sharded.flat.dtype)
-                pending.setdefault(key, []).append(sharded)
-    for params in pending.values():
-        _gather_whole_rows(list(dict.fromkeys(params)))
-
-
-_STEP_HOOK: list[Any] = []
-
-
-def ensure_step_hook() -> None:
-    """Register ``after_optimizer_step`` once for every optimizer of this process."""
-    if not _STEP_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK.append(register_optimizer_step_post_hook(after_optimizer_step))
