@@ -22,6 +22,11 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
 - Mixed precision: an unshard's ``param_dtype`` is applied to the shard right before the
   gather (half the traffic in bf16); the backward's cast to ``reduce_dtype`` is already in
   the graph before ``reduce_grad``.
+- ``gather_quant="int8"``: a bucket's shards are quantized together where its gather is
+  issued (``zeroc::quantize_int8``, the send buffer), one all-gather moves the packed int8
+  blocks and scales, and ``zeroc::dequantize_int8`` writes every parameter's padded flat
+  buffer in the gather dtype right after the wait (``zeroc.runtime.gather_quant``); a
+  bucket too small to gain is gathered exact.
 
 Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wait points).
 """
@@ -45,6 +50,8 @@ from zeroc.runtime.collectives import (
     functional,
     reduce_scatter_runs_as_all_to_all,
 )
+from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
+from zeroc.runtime.gather_quant import DEQUANTIZE_INT8, QUANTIZE_INT8, worth_quantizing
 from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.torch_compat import detect_fake_mode
 from zeroc.runtime.zero_ops import WHOLE_FROM_SHARD, WHOLE_STAGES, group_size
@@ -200,11 +207,16 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         for shard in shards:
             _hoist(shard, issue_at, position)
+        quantized = ctx.config.gather_quant == "int8" and worth_quantizing(
+            sum(s.meta["val"].numel() for s in shards), bucket.key[2])
         with gm.graph.inserting_before(issue_at):
-            # Mixed precision: cast each shard to the gather dtype where the gather is issued.
-            shards = [s if s.meta["val"].dtype == bucket.key[2] else
-                      build.call(prims.convert_element_type.default, s, bucket.key[2])
-                      for s in shards]
+            if quantized:  # the bucket as int8 blocks + scales, from the exact shards
+                widths = [s.meta["val"].numel() for s in shards]
+                shards = [build.call(QUANTIZE_INT8, shards, QUANT_BLOCK)]
+            else:  # mixed precision: cast each shard to the gather dtype where it is issued
+                shards = [s if s.meta["val"].dtype == bucket.key[2] else
+                          build.call(prims.convert_element_type.default, s, bucket.key[2])
+                          for s in shards]
             if len(shards) == 1:
                 issued = [build.call(functional.all_gather_into_tensor.default, shards[0], dp,
                                      group_name)]
@@ -215,20 +227,27 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
                                      shards, dp, group_name)
                 issued = [build.call(operator.getitem, outputs, i) for i in range(len(shards))]
         with gm.graph.inserting_before(need):
-            for mark, output in zip(bucket.nodes, issued, strict=True):
-                flat_param = build.call(functional.wait_tensor.default, output)
+            flat_params = [build.call(functional.wait_tensor.default, out) for out in issued]
+            if quantized:  # every parameter's padded flat buffer, one after another
+                joined = build.call(DEQUANTIZE_INT8, flat_params[0], widths, QUANT_BLOCK,
+                                    bucket.key[2])
+                starts = [dp * sum(widths[:i]) for i in range(len(widths) + 1)]
+                flat_params = [build.call(aten.slice.Tensor, joined, 0, lo, hi)
+                               for lo, hi in zip(starts, starts[1:], strict=False)]
+            for mark, flat_param in zip(bucket.nodes, flat_params, strict=True):
                 numel, shape = mark.args[2], list(mark.args[1])
                 if numel != flat_param.meta["val"].numel():
                     flat_param = build.call(aten.slice.Tensor, flat_param, 0, 0, numel)
                 param = build.call(aten.view.default, flat_param, shape)
                 mark.replace_all_uses_with(param)
                 gm.graph.erase_node(mark)
+        moved = sum(s.meta["val"].numel() * s.meta["val"].element_size() for s in shards) * dp
         ctx.collectives.append(CollectiveInfo(
             name=f"{ctx.graph_name}.gather{index}", graph=ctx.graph_name, op="all_gather",
             group=group_name, params=bucket_params,
-            bytes=collective_bytes("all_gather", 0, bucket.nbytes),
+            bytes=collective_bytes("all_gather", 0, moved),
             issued_at=issue_at.name, waited_at=need.name,
-            dtype=str(bucket.key[2]).removeprefix("torch.")))
+            dtype="int8" if quantized else str(bucket.key[2]).removeprefix("torch.")))
     return len(buckets)
 
 

@@ -15,6 +15,9 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
   first ``prefetch`` buckets are issued when the step begins; ``gather(stage)``, at the
   stage's first forward, issues the stage's own buckets and ``prefetch`` more beyond them,
   then waits for its own only: the next stage's gather is in flight while this one computes.
+  With ``gather_quant="int8"`` a bucket's shards are quantized together into int8 blocks and
+  scales, and dequantized into the gather dtype when the bucket is waited
+  (``zeroc.runtime.gather_quant``).
   The full parameters live until the end of the step (RESHARD), as the plan's memory says.
 - reductions: after the action group that completes a set of parameters' gradients (the last
   B or W of every stage of this rank reading them), ``reduce_ready`` casts them to
@@ -51,6 +54,13 @@ import torch.distributed as dist
 
 from zeroc.runtime.collectives import chunk_sum_mean, collective_bytes, reduces_by_all_to_all
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
+from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
+from zeroc.runtime.gather_quant import (
+    DEQUANTIZE_INT8,
+    QUANTIZE_INT8,
+    quantized_bytes,
+    worth_quantizing,
+)
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.step_memory import allocation_label
@@ -188,8 +198,9 @@ class StepZero:
     """Per-step gathers and reductions of one rank's stage parameters (module docstring)."""
 
     def __init__(self, hoisted: dict[int, HoistedParam], orders: Mapping[bool, ZeroOrder],
-                 bucket_mb: float, prefetch: int = 1) -> None:
+                 bucket_mb: float, prefetch: int = 1, gather_quant: str | None = None) -> None:
         self.hoisted = hoisted
+        self.quantized = gather_quant == "int8"  # gathers move int8 blocks + scales
         self.orders = orders  # by training (True) or forward-only (False) step
         self.cap = bucket_mb * 2**20
         self.prefetch = max(0, int(prefetch))
@@ -226,6 +237,8 @@ class StepZero:
                         if ranks == 1:
                             continue
                         op, moved = "all_gather", ranks * numel * size
+                        if self._quantizes(bucket):
+                            moved = quantized_bytes(numel, ranks)
                         where = (f"before F of s{stage} (prefetch {self.prefetch})",
                                  f"first F of s{stage}")
                     else:
@@ -240,10 +253,17 @@ class StepZero:
                         name=f"step_{kind}_s{stage}_{n}", graph=graph, op=op,
                         group=first.group_name, params=tuple(p.name for p, _ in bucket),
                         bytes=moved, issued_at=where[0], waited_at=where[1],
-                        dtype=str(dtype).removeprefix("torch.")))
+                        dtype="int8" if kind == "gather" and self._quantizes(bucket)
+                        else str(dtype).removeprefix("torch.")))
         return infos
 
     # -- gathers ------------------------------------------------------------------------------
+
+    def _quantizes(self, bucket: list[tuple[HoistedParam, torch.Tensor]]) -> bool:
+        """Whether ``bucket``'s gather moves int8 blocks (``gather_quant``, where it gains)."""
+        first, shard = bucket[0]
+        return self.quantized and worth_quantizing(sum(t.numel() for _, t in bucket),
+                                                   first.param_dtype or shard.dtype)
 
     def begin(self, inputs: list[Any], train: bool = True) -> None:
         """Start a step: queue every gather bucket in first-forward order, issue the first
@@ -297,6 +317,8 @@ class StepZero:
             for (param, _), shard in zip(bucket, shards, strict=True):
                 self.full[param.index] = shard[:param.numel].view(param.shape)
             return None
+        if self._quantizes(bucket):  # from the exact shards; dequantized when waited
+            shards = [QUANTIZE_INT8([t.detach() for _, t in bucket], QUANT_BLOCK)]
         packed = torch.cat(shards) if len(shards) > 1 else shards[0].contiguous()
         gathered = packed.new_empty(ranks * packed.numel())
         with record(profile_name):
@@ -307,6 +329,17 @@ class StepZero:
 
     def _unpack_gathered(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
                          rows: torch.Tensor) -> None:
+        if self._quantizes(bucket):  # every parameter's padded flat buffer, in turn
+            first, shard = bucket[0]
+            widths = [t.numel() for _, t in bucket]
+            joined = DEQUANTIZE_INT8(rows.reshape(-1), widths, QUANT_BLOCK,
+                                     first.param_dtype or shard.dtype)
+            offset = 0
+            for (param, _), width in zip(bucket, widths, strict=True):
+                flat = joined[offset : offset + rows.shape[0] * width]
+                offset += rows.shape[0] * width
+                self.full[param.index] = flat[:param.numel].view(param.shape)
+            return
         offset = 0
         for param, shard in bucket:
             width = shard.numel()

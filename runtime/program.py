@@ -76,6 +76,7 @@ class PipelineLayout:
     hoisted: dict[int, HoistedParam] = dataclasses.field(default_factory=dict)
     bucket_mb: float = 25.0
     prefetch: int = 1  # gather buckets in flight ahead of the one a stage waits for
+    gather_quant: str | None = None  # "int8": the per-step gathers move int8 blocks + scales
     # The group of the pipeline's ranks for host-side checks (runtime/pipeline_inputs) and
     # the batch inputs' names for its errors.
     host_group_name: str = ""

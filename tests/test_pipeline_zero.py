@@ -53,11 +53,13 @@ def train_two_steps(compiled, optimizer, dp_index: int) -> list[float]:
     return losses
 
 
-def counting_job(rank: int, world: int, zero: int, reshard: bool) -> dict:
+def counting_job(rank: int, world: int, zero: int, reshard: bool,
+                 options: dict | None = None) -> dict:
     torch._dynamo.reset()
     model = zeroc.parallelize(make_gpt(), zero=zero, pp=2)
     compiled = torch.compile(model, backend="zeroc", options={
-        "schedule": "1f1b", "microbatches": MICROBATCHES, "pp_reshard": reshard})
+        "schedule": "1f1b", "microbatches": MICROBATCHES, "pp_reshard": reshard,
+        **(options or {})})
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
     dp_index = model._zeroc_layout.mesh.dp_index
     from zeroc.runtime.pipeline_executor import PipelineExecutor
@@ -82,8 +84,11 @@ def counting_job(rank: int, world: int, zero: int, reshard: bool) -> dict:
         buckets = executor.zero.counts
     plan = zeroc.explain(compiled)
     step_ops = sorted(c.op for c in plan.collectives if c.graph.endswith(".step"))
+    step_gathers = [(c.dtype, c.bytes, c.params) for c in plan.collectives
+                    if c.graph.endswith(".step") and c.op == "all_gather"]
     in_graphs = sorted(c.op for c in plan.collectives if not c.graph.endswith(".step"))
     return {"losses": losses, "counts": counts, "buckets": buckets, "step_ops": step_ops,
+            "step_gathers": step_gathers,
             "in_graphs": in_graphs, "plan": str(plan),
             "stages": len(executor.stages), "full": zeroc.full_state_dict(model)}
 
@@ -121,6 +126,27 @@ def test_zero_collectives_once_per_step_in_a_pipeline(zero: int) -> None:
     for first, second in zip(once, every, strict=True):
         assert second["counts"]["reduce"] >= MICROBATCHES * first["counts"]["reduce"]
         assert second["counts"]["all_gather"] >= MICROBATCHES * first["counts"]["all_gather"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_int8_gathers_once_per_step_in_a_pipeline() -> None:
+    """``gather_quant="int8"`` in a pipeline's per-step gathers (pp=2 x dp=2, ZeRO-3): the
+    same one gather and one reduction per stage, the gathers int8 with the packed buffer's
+    bytes, the losses within the quantization's reach of eager's."""
+    from zeroc.runtime.gather_quant import quantized_bytes
+
+    got = run_ranks(counting_job, 4, 3, False, {"gather_quant": "int8"}, timeout=400)
+    losses, _, _ = eager_run(range(2))
+    mean = [sum(r["losses"][i] for r in got) / len(got) for i in range(2)]
+    assert mean == pytest.approx(losses, rel=1e-3) and mean != pytest.approx(losses, rel=1e-7)
+    shapes = {n: p.shape for n, p in make_gpt().named_parameters()}
+    for result in got:
+        assert result["counts"] == result["buckets"] == {"all_gather": result["stages"],
+                                                         "reduce": result["stages"]}
+        for dtype, nbytes, params in result["step_gathers"]:
+            numel = sum(-(-shapes[n][0] // 2) * shapes[n][1:].numel() for n in params)
+            assert dtype == "int8" and nbytes == quantized_bytes(numel, 2)
 
 
 def training_job(rank: int, world: int, zero: int) -> dict:

@@ -123,6 +123,7 @@ def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
         "full": {k: v.clone() for k, v in full_state_dict(model).items()},
         "collectives": [(c.graph, c.op, c.bytes, len(c.params)) for c in plan.collectives],
         "bucket_params": [c.params for c in plan.collectives],
+        "dtypes": [c.dtype for c in plan.collectives],
         "meta": (plan.meta.world_size, plan.meta.mesh, plan.meta.zero),
         "state_bytes": held if zero == 3 else None,
         "at_rest": held_at_rest,
@@ -142,6 +143,8 @@ def two_rank_job(rank: int, world: int) -> dict:
     results["large_buckets"] = train_compiled(rank, world, "gpt", 3,
                                               {"bucket_mb": 1000, "fused_loss": True})
     results["bf16"] = train_compiled(rank, world, "gpt", 3, {}, mixed_precision="bf16")
+    results["int8_gathers"] = train_compiled(rank, world, "gpt", 3,
+                                             {"bucket_mb": 0.01, "gather_quant": "int8"})
     return results
 
 
@@ -204,6 +207,36 @@ def test_bf16_within_bf16_tolerance_of_eager_autocast(two_ranks) -> None:
         assert got["full"][key].dtype == torch.float32
         torch.testing.assert_close(got["full"][key], value, rtol=0, atol=2 * STEPS * ADAM["lr"],
                                    msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1000)
+def test_int8_gathers_move_under_a_third_and_train_close_to_eager(two_ranks) -> None:
+    """``gather_quant="int8"`` at ZeRO-3: the same buckets, every one large enough to gain
+    gathered as int8 blocks and scales (the layer norms' stay float32), the reductions
+    unchanged; the lossy gathered weights move the loss by far less than a step does."""
+    exact, quant = two_ranks[0][("gpt", 3)], two_ranks[0]["int8_gathers"]
+    assert [c[:2] for c in quant["collectives"]] == [c[:2] for c in exact["collectives"]]
+    moved = {}
+    for run, key in ((exact, "exact"), (quant, "int8")):
+        for (graph, op, nbytes, _n), dtype in zip(run["collectives"], run["dtypes"], strict=True):
+            phase = (key, graph.split(".")[1], op)
+            moved[phase] = moved.get(phase, 0) + nbytes
+            if key == "int8" and op == "reduce_scatter":
+                assert dtype == "float32"
+    assert {d for d, (_, op, _, _) in zip(quant["dtypes"], quant["collectives"], strict=True)
+            if op == "all_gather"} == {"int8", "float32"}
+    for phase in ("forward", "backward"):
+        assert moved[("int8", phase, "all_gather")] * 3 < moved[("exact", phase, "all_gather")]
+    assert moved[("int8", "backward", "reduce_scatter")] == moved[
+        ("exact", "backward", "reduce_scatter")]
+    ref_losses, ref_state = eager_reference("gpt")
+    torch.testing.assert_close(torch.tensor(quant["losses"]), torch.tensor(ref_losses),
+                               rtol=1e-3, atol=0)
+    assert quant["losses"] != exact["losses"]  # the gathered weights were the int8 ones
+    for key, value in ref_state.items():  # Adam's steps: at most about lr each
+        torch.testing.assert_close(quant["full"][key], value, rtol=0,
+                                   atol=2 * STEPS * ADAM["lr"], msg=key)
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ def zeroc_backend(
     drop_captured_groups()
     try:
         config = Config.build(mode, _with_tuned_options(example_inputs, options))
+        _check_gather_quant(example_inputs, config)
         session = session_for(find_compile_wrapper(), config)
         # A parameter added after parallelize, or an unseen requires_grad change: see there.
         check_graph_parameters([source_name(n) for n in gm.graph.find_nodes(op="placeholder")],
@@ -78,6 +79,25 @@ def _with_tuned_options(example_inputs: list[Any], options: Mapping[str, Any] | 
     if not tuned:
         return options
     return {**dict(tuned), **dict(options or {})}
+
+
+def _check_gather_quant(example_inputs: list[Any], config: Config) -> None:
+    """Refuse ``gather_quant`` for a model whose graphs gather no parameters."""
+    if config.gather_quant is None or not any(isinstance(v, torch.nn.Parameter)
+                                              for v in example_inputs):
+        return  # a graph without parameters (e.g. a graph break's tail) tells nothing
+    layout = next((v._zeroc_layout for v in example_inputs
+                   if hasattr(v, "_zeroc_layout")), None)
+    if layout is not None and layout.zero >= 2:
+        return
+    what = ("was not parallelized" if layout is None else
+            f"was parallelized with zero={layout.zero}, whose parameters are whole on every "
+            "rank")
+    raise OptionError(
+        f"zeroc: option gather_quant={config.gather_quant!r} quantizes the parameter "
+        f"all-gathers of ZeRO-2 and ZeRO-3, and this model {what}, so nothing would be "
+        "quantized; parallelize with zeroc.parallelize(model, zero=3) (or 2), or leave the "
+        "option out")
 
 
 _WARNED: set[str] = set()

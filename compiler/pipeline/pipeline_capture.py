@@ -214,6 +214,7 @@ def _compile_pipeline(
         hoisted=hoisted_here,
         bucket_mb=config.bucket_mb,
         prefetch=config.prefetch,
+        gather_quant=config.gather_quant,
         host_group_name=layout.mesh.pp_host_group_name,
         input_names={i: f"input {names[i]!r}" for i in batch_inputs},  # source names
     )
