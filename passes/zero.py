@@ -27,6 +27,10 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
   blocks and scales, and ``zeroc::dequantize_int8`` writes every parameter's padded flat
   buffer in the gather dtype right after the wait (``zeroc.runtime.gather_quant``); a
   bucket too small to gain is gathered exact.
+- ``reduce_quant="int8" | "int4"`` (stages 1-3): the rank-major bucket is quantized row by row
+  with error feedback (``zeroc::quantize_grad_rows``), row r goes to rank r by one
+  ``all_to_all_single`` (on every backend), and ``zeroc::dequantize_sum_mean`` sums the
+  received rows in float32 and averages them (``zeroc.runtime.reduce_quant``).
 
 Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wait points).
 """
@@ -53,6 +57,13 @@ from zeroc.runtime.collectives import (
 from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
 from zeroc.runtime.gather_quant import DEQUANTIZE_INT8, QUANTIZE_INT8, worth_quantizing
 from zeroc.runtime.plan.records import CollectiveInfo
+from zeroc.runtime.reduce_quant import (
+    DEQUANTIZE_SUM_MEAN,
+    QUANTIZE_GRAD_ROWS,
+    REDUCE_BITS,
+    residual_key,
+)
+from zeroc.runtime.reduce_quant import worth_quantizing as worth_reducing_quantized
 from zeroc.runtime.torch_compat import detect_fake_mode
 from zeroc.runtime.zero_ops import WHOLE_FROM_SHARD, WHOLE_STAGES, group_size
 
@@ -227,14 +238,17 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
                                      shards, dp, group_name)
                 issued = [build.call(operator.getitem, outputs, i) for i in range(len(shards))]
         with gm.graph.inserting_before(need):
-            flat_params = [build.call(functional.wait_tensor.default, out) for out in issued]
             if quantized:  # every parameter's padded flat buffer, one after another
-                joined = build.call(DEQUANTIZE_INT8, flat_params[0], widths, QUANT_BLOCK,
-                                    bucket.key[2])
+                joined = build.call(DEQUANTIZE_INT8, build.call(
+                    functional.wait_tensor.default, issued[0]), widths, QUANT_BLOCK,
+                    bucket.key[2])
                 starts = [dp * sum(widths[:i]) for i in range(len(widths) + 1)]
-                flat_params = [build.call(aten.slice.Tensor, joined, 0, lo, hi)
-                               for lo, hi in zip(starts, starts[1:], strict=False)]
-            for mark, flat_param in zip(bucket.nodes, flat_params, strict=True):
+                issued = [(aten.slice.Tensor, joined, 0, lo, hi)
+                          for lo, hi in zip(starts, starts[1:], strict=False)]
+            else:
+                issued = [(functional.wait_tensor.default, out) for out in issued]
+            for mark, (target, *args) in zip(bucket.nodes, issued, strict=True):
+                flat_param = build.call(target, *args)
                 numel, shape = mark.args[2], list(mark.args[1])
                 if numel != flat_param.meta["val"].numel():
                     flat_param = build.call(aten.slice.Tensor, flat_param, 0, 0, numel)
@@ -305,6 +319,10 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
         dp = group_size(group_name)
         by_all_to_all = stage >= 1 and reduce_scatter_runs_as_all_to_all(
             group_name, ctx.device, planned=ctx.planned is not None)
+        bits = REDUCE_BITS.get(ctx.config.reduce_quant) if stage >= 1 else None
+        if bits and not worth_reducing_quantized(sum(n.args[1] // dp for n in bucket.nodes),
+                                                 bits, bucket.key[2], QUANT_BLOCK):
+            bits = None  # too small to gain: reduced exact
         # Issued as soon as the bucket's last gradient exists.
         last = max(bucket.nodes, key=_order)
         if stage == 0:  # replicated: all-reduce the concatenated flat gradients
@@ -325,7 +343,13 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
                 aten.cat.default, pieces, 0 if stage == 0 else 1)
             packed = build.call(aten.reshape.default, packed, [-1])
             op = "reduce_scatter" if stage >= 1 else "all_reduce"
-            if by_all_to_all:  # row r of the rank-major buffer to rank r
+            if bits:  # reduce_quant: row r quantized (with error feedback) to rank r
+                key = residual_key(f"{ctx.graph_name}.reduce{len(issued_buckets)}")
+                packed = build.call(QUANTIZE_GRAD_ROWS, packed, dp, bits, QUANT_BLOCK, key)
+                rows = [packed.meta["val"].numel() // dp] * dp
+                issued = build.call(functional.all_to_all_single.default, packed, rows, rows,
+                                    group_name)
+            elif by_all_to_all:  # row r of the rank-major buffer to rank r
                 rows = [packed.meta["val"].numel() // dp] * dp
                 issued = build.call(functional.all_to_all_single.default, packed, rows, rows,
                                     group_name)
@@ -335,10 +359,10 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             else:
                 issued = build.call(functional.all_reduce.default, packed, "sum", group_name)
         issued_buckets.append((bucket, pieces[0], issued, packed, widths, last, op,
-                               by_all_to_all))
+                               by_all_to_all, bits))
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for index, (bucket, _start, issued, packed, widths, last, op, by_all_to_all) in enumerate(
-            issued_buckets):
+    for index, (bucket, _start, issued, packed, widths, last, op, by_all_to_all,
+                bits) in enumerate(issued_buckets):
         group_name, stage = bucket.key[0], bucket.key[1]
         dp = group_size(group_name)
         # Waited before its first reader, or before the next-but-one bucket is packed.
@@ -349,7 +373,10 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
                 wait_at = later
         with gm.graph.inserting_before(wait_at):
             reduced = build.call(functional.wait_tensor.default, issued)
-            if by_all_to_all:  # every rank's row for this one, summed and averaged; the
+            if bits:  # every rank's row for this one, dequantized, summed in float32
+                mean = build.call(DEQUANTIZE_SUM_MEAN, reduced, packed, dp, sum(widths), bits,
+                                  QUANT_BLOCK, bucket.key[2])
+            elif by_all_to_all:  # every rank's row for this one, summed and averaged; the
                 # sent buffer lives until here, as the collective's work holds it
                 mean = build.call(ROWS_SUM_MEAN, reduced, packed, dp)
             else:
@@ -370,7 +397,8 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             group=group_name, params=tuple(grad_names.get(n, n.name) for n in bucket.nodes),
             bytes=collective_bytes(op, in_bytes, 0),
             issued_at=last.name, waited_at=wait_at.name,
-            dtype=str(bucket.key[2]).removeprefix("torch.")))
+            dtype=ctx.config.reduce_quant if bits else str(bucket.key[2]).removeprefix(
+                "torch.")))
     return len(buckets)
 
 

@@ -90,7 +90,8 @@ class PipelineExecutor:
             layout.hoisted,
             {train: zero_order(tuple(groups[position]), stage_params, layout.hoisted)
              for train, groups in self.groups.items()},
-            layout.bucket_mb, layout.prefetch, layout.gather_quant) if layout.hoisted else None
+            layout.bucket_mb, layout.prefetch, layout.gather_quant,
+            layout.reduce_quant) if layout.hoisted else None
         self.profile_names = {
             train: tuple(PROFILE_PREFIX + group_label(g) for g in groups[position])
             for train, groups in self.groups.items()

@@ -28,7 +28,9 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
   for them (and reduces, blocking, whatever was not issued yet: a step that accumulates
   without sync hands its sum here), and each parameter's gradient becomes this rank's shard
   averaged over the data-parallel ranks, in the shard's dtype (ZeRO-1, whose parameters are
-  whole: a whole-size gradient holding this rank's averaged rows, zeros elsewhere).
+  whole: a whole-size gradient holding this rank's averaged rows, zeros elsewhere). With
+  ``reduce_quant`` each bucket's rows are quantized with error feedback, sent by an
+  all-to-all on any backend and summed in float32 (``zeroc.runtime.reduce_quant``).
 
 Every rank of a data-parallel group runs the same position's schedule, so each issues the same
 collectives in the same order (NCCL's in-order matching). An asynchronous collective's input
@@ -63,6 +65,14 @@ from zeroc.runtime.gather_quant import (
 )
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan.records import CollectiveInfo
+from zeroc.runtime.reduce_quant import (
+    DEQUANTIZE_SUM_MEAN,
+    QUANTIZE_GRAD_ROWS,
+    REDUCE_BITS,
+    residual_key,
+    row_bytes,
+)
+from zeroc.runtime.reduce_quant import worth_quantizing as worth_reducing_quantized
 from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 from zeroc.runtime.zero_ops import (
@@ -187,6 +197,8 @@ class _Pending:
     source: torch.Tensor
     divisor: int
     rows: int = 1  # > 1: ``output`` holds an all-to-all's rows for this rank, not summed yet
+    bits: int = 0  # reduce_quant: the rows are quantized to this many bits
+    width: int = 0  # reduce_quant: elements of this rank's reduced piece
 
 
 def _wait(work: Any) -> None:
@@ -198,9 +210,13 @@ class StepZero:
     """Per-step gathers and reductions of one rank's stage parameters (module docstring)."""
 
     def __init__(self, hoisted: dict[int, HoistedParam], orders: Mapping[bool, ZeroOrder],
-                 bucket_mb: float, prefetch: int = 1, gather_quant: str | None = None) -> None:
+                 bucket_mb: float, prefetch: int = 1, gather_quant: str | None = None,
+                 reduce_quant: str | None = None) -> None:
         self.hoisted = hoisted
         self.quantized = gather_quant == "int8"  # gathers move int8 blocks + scales
+        self.reduce_quant = reduce_quant
+        self.reduce_bits = REDUCE_BITS.get(reduce_quant)  # reductions: quantized rows
+        self._residual_keys: dict[tuple[int, int], str] = {}  # (stage, bucket) -> key
         self.orders = orders  # by training (True) or forward-only (False) step
         self.cap = bucket_mb * 2**20
         self.prefetch = max(0, int(prefetch))
@@ -248,6 +264,10 @@ class StepZero:
                         op = "all_reduce" if pieces == 1 else "reduce_scatter"
                         padded = numel if pieces == 1 else sum(p.padded_numel() for p, _ in bucket)
                         moved = collective_bytes(op, padded * size, padded // pieces * size)
+                        if pieces > 1 and self._reduces_quantized(padded // pieces, dtype):
+                            moved = pieces * row_bytes(padded // pieces, self.reduce_bits,
+                                                       QUANT_BLOCK)
+                            dtype = self.reduce_quant
                         where = (f"last B/W of s{stage}", "end of step")
                     infos.append(CollectiveInfo(
                         name=f"step_{kind}_s{stage}_{n}", graph=graph, op=op,
@@ -365,6 +385,12 @@ class StepZero:
 
     # -- reductions ---------------------------------------------------------------------------
 
+    def _reduces_quantized(self, width: int, dtype: torch.dtype) -> bool:
+        """Whether a bucket whose rank pieces hold ``width`` elements is reduced quantized
+        (``reduce_quant``, where it gains)."""
+        return bool(self.reduce_bits) and worth_reducing_quantized(
+            width, self.reduce_bits, dtype, QUANT_BLOCK)
+
     def reduce_ready(self, position: int, grads: dict[int, torch.Tensor], inputs: list[Any],
                      train: bool = True) -> None:
         """After action group ``position``: issue the reductions of the gradients it
@@ -404,10 +430,13 @@ class StepZero:
         label = f"s{stage}_" if stage >= 0 else ""
         for n, bucket in enumerate(_buckets(todo, self.cap, lambda p, t: t.dtype)):
             name = f"{PROFILE_PREFIX}step_reduce_{label}{n}" if profiling() else ""
-            self._reducing.append((stage, n, self._reduce_bucket(bucket, name)))
+            key = self._residual_keys.get((stage, n))
+            if key is None and self.reduce_bits:
+                key = self._residual_keys[(stage, n)] = residual_key(f"step_reduce_s{stage}_{n}")
+            self._reducing.append((stage, n, self._reduce_bucket(bucket, name, key)))
 
     def _reduce_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],
-                       profile_name: str = "") -> _Pending:
+                       profile_name: str = "", residual: str | None = None) -> _Pending:
         first = bucket[0][0]
         ranks = first.reduced_by()
         dp = group_size(first.group_name) if first.group_name else 1
@@ -423,6 +452,15 @@ class StepZero:
         # Rank-major: row r holds every parameter's chunk r, so the scatter hands rank r its
         # chunk of each.
         packed = torch.cat([g.view(ranks, -1) for _, g in bucket], dim=1).reshape(-1)
+        if group is not None and self._reduces_quantized(packed.numel() // ranks, packed.dtype):
+            # reduce_quant: quantized rows, by an all-to-all on any backend
+            sent = QUANTIZE_GRAD_ROWS(packed, ranks, self.reduce_bits, QUANT_BLOCK, residual)
+            received = torch.empty_like(sent)
+            with record(profile_name):
+                work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+            self.counts["reduce"] += 1
+            return _Pending(work, bucket, received, sent, dp, rows=ranks,
+                            bits=self.reduce_bits, width=packed.numel() // ranks)
         if group is not None and reduces_by_all_to_all(group, packed.device):
             # gloo: row r to rank r, the rows received summed when waited (half the bytes
             # of gloo's reduce_scatter_tensor, an all-reduce)
@@ -442,7 +480,10 @@ class StepZero:
                         inputs: list[Any]) -> None:
         first = pending.bucket[0][0]
         shard, ranks = pending.output, first.reduced_by()
-        if pending.rows > 1:  # an all-to-all's rows: summed, then averaged
+        if pending.bits:  # quantized rows: dequantized, summed in float32, averaged
+            shard = DEQUANTIZE_SUM_MEAN(shard, pending.source, pending.rows, pending.width,
+                                        pending.bits, QUANT_BLOCK, pending.bucket[0][1].dtype)
+        elif pending.rows > 1:  # an all-to-all's rows: summed, then averaged
             shard = chunk_sum_mean(shard, pending.rows)
         elif pending.divisor > 1:
             shard.div_(pending.divisor)

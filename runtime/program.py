@@ -77,6 +77,7 @@ class PipelineLayout:
     bucket_mb: float = 25.0
     prefetch: int = 1  # gather buckets in flight ahead of the one a stage waits for
     gather_quant: str | None = None  # "int8": the per-step gathers move int8 blocks + scales
+    reduce_quant: str | None = None  # "int8" | "int4": the per-step reductions' rows quantized
     # The group of the pipeline's ranks for host-side checks (runtime/pipeline_inputs) and
     # the batch inputs' names for its errors.
     host_group_name: str = ""

@@ -86,9 +86,11 @@ def counting_job(rank: int, world: int, zero: int, reshard: bool,
     step_ops = sorted(c.op for c in plan.collectives if c.graph.endswith(".step"))
     step_gathers = [(c.dtype, c.bytes, c.params) for c in plan.collectives
                     if c.graph.endswith(".step") and c.op == "all_gather"]
+    step_reduces = [(c.dtype, c.bytes, c.params) for c in plan.collectives
+                    if c.graph.endswith(".step") and c.op == "reduce_scatter"]
     in_graphs = sorted(c.op for c in plan.collectives if not c.graph.endswith(".step"))
     return {"losses": losses, "counts": counts, "buckets": buckets, "step_ops": step_ops,
-            "step_gathers": step_gathers,
+            "step_gathers": step_gathers, "step_reduces": step_reduces,
             "in_graphs": in_graphs, "plan": str(plan),
             "stages": len(executor.stages), "full": zeroc.full_state_dict(model)}
 
@@ -130,13 +132,16 @@ def test_zero_collectives_once_per_step_in_a_pipeline(zero: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_int8_gathers_once_per_step_in_a_pipeline() -> None:
-    """``gather_quant="int8"`` in a pipeline's per-step gathers (pp=2 x dp=2, ZeRO-3): the
-    same one gather and one reduction per stage, the gathers int8 with the packed buffer's
-    bytes, the losses within the quantization's reach of eager's."""
-    from zeroc.runtime.gather_quant import quantized_bytes
+def test_quantized_collectives_once_per_step_in_a_pipeline() -> None:
+    """``gather_quant="int8"`` and ``reduce_quant="int4"`` in a pipeline's per-step
+    collectives (pp=2 x dp=2, ZeRO-3): the same one gather and one reduction per stage, the
+    gathers int8 and the reductions int4 with their packed buffers' bytes, the losses within
+    the quantization's reach of eager's."""
+    from zeroc.runtime.gather_quant import BLOCK, quantized_bytes
+    from zeroc.runtime.reduce_quant import row_bytes
 
-    got = run_ranks(counting_job, 4, 3, False, {"gather_quant": "int8"}, timeout=400)
+    got = run_ranks(counting_job, 4, 3, False, {"gather_quant": "int8", "reduce_quant": "int4"},
+                    timeout=400)
     losses, _, _ = eager_run(range(2))
     mean = [sum(r["losses"][i] for r in got) / len(got) for i in range(2)]
     assert mean == pytest.approx(losses, rel=1e-3) and mean != pytest.approx(losses, rel=1e-7)
@@ -147,6 +152,10 @@ def test_int8_gathers_once_per_step_in_a_pipeline() -> None:
         for dtype, nbytes, params in result["step_gathers"]:
             numel = sum(-(-shapes[n][0] // 2) * shapes[n][1:].numel() for n in params)
             assert dtype == "int8" and nbytes == quantized_bytes(numel, 2)
+        assert len(result["step_reduces"]) == result["stages"]
+        for dtype, nbytes, params in result["step_reduces"]:
+            numel = sum(-(-shapes[n][0] // 2) * shapes[n][1:].numel() for n in params)
+            assert dtype == "int4" and nbytes == 2 * row_bytes(numel, 4, BLOCK)
 
 
 def training_job(rank: int, world: int, zero: int) -> dict:

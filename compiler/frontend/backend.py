@@ -46,7 +46,7 @@ def zeroc_backend(
     drop_captured_groups()
     try:
         config = Config.build(mode, _with_tuned_options(example_inputs, options))
-        _check_gather_quant(example_inputs, config)
+        _check_quantization(example_inputs, config)
         session = session_for(find_compile_wrapper(), config)
         # A parameter added after parallelize, or an unseen requires_grad change: see there.
         check_graph_parameters([source_name(n) for n in gm.graph.find_nodes(op="placeholder")],
@@ -81,23 +81,33 @@ def _with_tuned_options(example_inputs: list[Any], options: Mapping[str, Any] | 
     return {**dict(tuned), **dict(options or {})}
 
 
-def _check_gather_quant(example_inputs: list[Any], config: Config) -> None:
-    """Refuse ``gather_quant`` for a model whose graphs gather no parameters."""
-    if config.gather_quant is None or not any(isinstance(v, torch.nn.Parameter)
-                                              for v in example_inputs):
+def _check_quantization(example_inputs: list[Any], config: Config) -> None:
+    """Refuse ``gather_quant`` / ``reduce_quant`` for a model whose graphs run no such
+    collective, and ``reduce_quant`` where its error feedback could not be kept per stage."""
+    asked = {k: v for k, v in (("gather_quant", config.gather_quant),
+                               ("reduce_quant", config.reduce_quant)) if v is not None}
+    if not asked or not any(isinstance(v, torch.nn.Parameter) for v in example_inputs):
         return  # a graph without parameters (e.g. a graph break's tail) tells nothing
     layout = next((v._zeroc_layout for v in example_inputs
                    if hasattr(v, "_zeroc_layout")), None)
-    if layout is not None and layout.zero >= 2:
-        return
-    what = ("was not parallelized" if layout is None else
-            f"was parallelized with zero={layout.zero}, whose parameters are whole on every "
-            "rank")
-    raise OptionError(
-        f"zeroc: option gather_quant={config.gather_quant!r} quantizes the parameter "
-        f"all-gathers of ZeRO-2 and ZeRO-3, and this model {what}, so nothing would be "
-        "quantized; parallelize with zeroc.parallelize(model, zero=3) (or 2), or leave the "
-        "option out")
+    needs = {"gather_quant": (2, "the parameter all-gathers of ZeRO-2 and ZeRO-3"),
+             "reduce_quant": (1, "the gradient reduce-scatters of ZeRO-1, 2 and 3")}
+    for key, value in asked.items():
+        least, what = needs[key]
+        if layout is not None and layout.zero >= least:
+            continue
+        model = ("was not parallelized" if layout is None else
+                 f"was parallelized with zero={layout.zero}, which runs none")
+        raise OptionError(
+            f"zeroc: option {key}={value!r} quantizes {what}, and this model {model}, so "
+            f"nothing would be quantized; parallelize with zeroc.parallelize(model, "
+            f"zero={max(least, 2)}) or higher, or leave the option out")
+    if "reduce_quant" in asked and layout.pp > 1 and config.pp_reshard:
+        raise OptionError(
+            f"zeroc: option reduce_quant={config.reduce_quant!r} is supported in pipelines "
+            "with pp_reshard=False (the default: gradients reduced once per step), not with "
+            "pp_reshard=True, whose stage graphs may be shared between stages and so cannot "
+            "keep each stage's error-feedback residual")
 
 
 _WARNED: set[str] = set()

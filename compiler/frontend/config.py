@@ -76,6 +76,13 @@ class Config:
         float32); the receiver dequantizes into the gather dtype. The shards stay exact, only
         the gathered copy is lossy (``zeroc.runtime.gather_quant``). A model with no such
         gather (``zero`` 0 or 1) refuses it.
+    reduce_quant: ``None`` (default), ``"int8"`` or ``"int4"``: ZeRO-1/2/3 gradient reductions
+        send each rank's piece quantized blockwise (256 elements per float32 scale) by one
+        all-to-all, dequantized and summed in float32 by the rank that keeps it (ZeRO++'s
+        qgZ), with error feedback: each step's rounding error is added to the next step's
+        gradient, at the cost of a float32 residual of the gradients on every rank
+        (``zeroc.runtime.reduce_quant``). ``zero=0`` (all-reduce) refuses it, and so does a
+        pipeline with ``pp_reshard=True``.
     schedule: the pipeline schedule when the model was parallelized with pp > 1: one of
         ``SCHEDULES`` ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev").
     microbatches: micro-batches per step with pp > 1; ``None`` picks the number of stages, or
@@ -113,6 +120,7 @@ class Config:
     bucket_mb: float = 25.0
     prefetch: int = 1
     gather_quant: str | None = None
+    reduce_quant: str | None = None
     schedule: str = "1f1b"
     microbatches: int | None = None
     split_points: tuple[str, ...] | None = None
@@ -155,6 +163,7 @@ class Config:
 
 LOSS_REDUCTIONS = (None, "sum", "mean")
 GATHER_QUANTS = (None, "int8")  # zeroc.runtime.gather_quant
+REDUCE_QUANTS = (None, "int8", "int4")  # zeroc.runtime.reduce_quant
 # The options only a pipeline (a model parallelized with pp > 1) reads. One options dict may
 # serve pp=1 and pp>1 runs, so at pp=1 the backend warns once that they are ignored.
 PIPELINE_OPTIONS = ("schedule", "microbatches", "split_points", "loss_reduction", "pp_reshard",
@@ -177,7 +186,7 @@ def check_option(key: str, value: Any) -> Any:
 def _check(key: str, value: Any) -> Any:
     """Return ``value`` if it is allowed for ``key``; raise ValueError otherwise."""
     choices = {"kernels": KERNEL_BACKENDS, "partitioner": PARTITIONERS,
-               "gather_quant": GATHER_QUANTS}
+               "gather_quant": GATHER_QUANTS, "reduce_quant": REDUCE_QUANTS}
     if key in choices:
         if value not in choices[key]:
             raise OptionError(

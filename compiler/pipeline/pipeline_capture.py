@@ -215,6 +215,7 @@ def _compile_pipeline(
         bucket_mb=config.bucket_mb,
         prefetch=config.prefetch,
         gather_quant=config.gather_quant,
+        reduce_quant=config.reduce_quant,
         host_group_name=layout.mesh.pp_host_group_name,
         input_names={i: f"input {names[i]!r}" for i in batch_inputs},  # source names
     )

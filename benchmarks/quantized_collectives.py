@@ -1,0 +1,211 @@
+"""Quantized ZeRO collectives: bytes moved, step time and training quality.
+
+ZeRO-3 on gloo ranks (one thread each), the same model and batches in every configuration:
+
+- ``exact``: ``zeroc.parallelize(model, zero=3)``, ``torch.compile(backend="zeroc")``.
+- ``gather8``: ``options={"gather_quant": "int8"}`` (ZeRO++'s qwZ).
+- ``gather8_reduce8``: and ``"reduce_quant": "int8"`` (qgZ, with error feedback).
+- ``gather8_reduce4``: and ``"reduce_quant": "int4"``.
+
+Models (``--model``): the zoo GPT (width 256, 4 layers, vocab 4096, sequence 128: 4.2M
+parameters) or an HF ``LlamaForCausalLM`` of the same width, layers and vocabulary (a user's
+wrapper returns ``.loss``). Per configuration: the median step (slowest rank), the bytes one
+rank moves per step as the plan counts them (``mb_moved_per_step``; all ranks together:
+``mb_moved_per_step_total``, what a shared link carries), their ratio to ``exact``, and the
+last loss. ``--repeats`` interleaves the configurations; medians are reported. The JSON has
+``results`` in ``pipeline_vs_torch.py``'s form, so ``slow_link.py`` can run it on slow links:
+
+    python benchmarks/slow_link.py --rates plain,1gbit --repeats 3 --baseline exact -- \\
+        python benchmarks/quantized_collectives.py --world 2 --repeats 1 --json {json}
+
+``--quality STEPS`` instead trains a small GPT on a task it can learn (each sequence counts
+up from a random token by a stride drawn from 1-4, so the next token is predictable after
+two) for STEPS steps in ``exact`` and ``gather8_reduce4`` on the same batches, and prints
+both loss curves' start and end (the mean of the last 20 steps) and their relative gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                                 "tests")))
+from models.gpt import GPT, GPTConfig, random_token_batch  # noqa: E402
+
+from zeroc.cli.launch import run_ranks  # noqa: E402
+
+CONFIGS = {
+    "exact": {},
+    "gather8": {"gather_quant": "int8"},
+    "gather8_reduce8": {"gather_quant": "int8", "reduce_quant": "int8"},
+    "gather8_reduce4": {"gather_quant": "int8", "reduce_quant": "int4"},
+}
+MODELS = ("gpt", "llama")
+
+
+class LossOf(torch.nn.Module):
+    """A user's wrapper of an HF causal LM: ``forward(tokens, targets)`` returns the loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=tokens).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def build_model(name: str, width: int, layers: int, vocab: int, seq: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=4,
+                             d_model=width), seed=0)
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=width, intermediate_size=int(width * 8 / 3), num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=vocab,
+        max_position_embeddings=seq, tie_word_embeddings=False)
+    return LossOf(transformers.LlamaForCausalLM(config))
+
+
+def counting_batch(vocab: int, seq: int, batch: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Sequences that count up from a random token by a random stride (1-4), modulo vocab."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (batch, 1), generator=generator)
+    stride = torch.randint(1, 5, (batch, 1), generator=generator)
+    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def train_rank(rank: int, world: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
+    import zeroc
+
+    torch.compiler.reset()
+    model = zeroc.parallelize(build_model(args.model, args.width, args.layers, args.vocab,
+                                          args.seq), zero=3)
+    compiled = torch.compile(model, backend="zeroc", options=CONFIGS[config])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    steps = args.quality or args.warmup + args.steps
+    times, losses = [], []
+    for step in range(steps):
+        if args.quality:
+            tokens, targets = counting_batch(args.vocab, args.seq, args.batch, 1000 * step + rank)
+        else:
+            tokens, targets = random_token_batch(args.vocab, args.seq, args.batch, None,
+                                                 seed=1 + rank)
+        dist.barrier()
+        begin = time.perf_counter()
+        loss = compiled(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - begin
+        if step >= args.warmup:
+            times.append(elapsed)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    moved = sum(c.bytes for c in zeroc.explain(compiled).collectives)
+    return {"step_ms": statistics.median(times) * 1000 if times else None,
+            "losses": losses, "bytes": moved}
+
+
+def run_quality(args: argparse.Namespace) -> dict[str, Any]:
+    curves = {}
+    for config in ("exact", "gather8_reduce4"):
+        ranks = run_ranks(train_rank, args.world, config, args, timeout=args.timeout)
+        curves[config] = ranks[0]["losses"]
+    rows, out = [], {}
+    end = {c: statistics.fmean(v[-20:]) for c, v in curves.items()}
+    for config, losses in curves.items():
+        gap = end[config] / end["exact"] - 1
+        rows.append([config, f"{losses[0]:.4f}", f"{end[config]:.4f}", f"{100 * gap:+.2f}%"])
+        out[config] = {"start": losses[0], "end_mean_last_20": end[config], "gap": gap,
+                       "losses": losses}
+    print(tabulate(rows, headers=["config", "loss at step 1", f"mean of steps {args.quality - 19}"
+                                  f"-{args.quality}", "vs exact"], disable_numparse=True))
+    return {"quality": out, "steps": args.quality}
+
+
+def run_speed(args: argparse.Namespace) -> dict[str, Any]:
+    configs = args.configs.split(",")
+    measured: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for repeat in range(args.repeats):
+        for config in configs:
+            ranks = run_ranks(train_rank, args.world, config, args, timeout=args.timeout)
+            measured[config].append({"step_ms": max(r["step_ms"] for r in ranks),
+                                     "bytes": max(r["bytes"] for r in ranks),
+                                     "loss": ranks[0]["losses"][-1]})
+            print(f"[repeat {repeat + 1}] {config}: {measured[config][-1]['step_ms']:.1f} ms",
+                  file=sys.stderr, flush=True)
+    results, rows = {}, []
+    exact_mb = None
+    for config in configs:
+        step = statistics.median(m["step_ms"] for m in measured[config])
+        mb = measured[config][0]["bytes"] / 1e6
+        exact_mb = mb if config == "exact" else exact_mb
+        results[config] = {"step_median_ms": step, "mb_moved_per_step": mb,
+                           "mb_moved_per_step_total": mb * args.world,
+                           "step_ms_per_repeat": [m["step_ms"] for m in measured[config]],
+                           "loss_last": measured[config][-1]["loss"]}
+        fewer = f"{exact_mb / mb:.2f}x" if exact_mb else "n/a"
+        rows.append([config, f"{step:.1f}", f"{mb:.3f}", fewer,
+                     f"{measured[config][-1]['loss']:.5f}"])
+    print(tabulate(rows, headers=["config", "step ms (median)", "MB moved per rank per step",
+                                  "fewer bytes than exact", "loss last"],
+                   disable_numparse=True))
+    return {"results": results}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", choices=MODELS, default="gpt")
+    add("--world", type=int, default=2, help="data-parallel gloo ranks")
+    add("--width", type=int, default=256)
+    add("--layers", type=int, default=4)
+    add("--vocab", type=int, default=4096)
+    add("--seq", type=int, default=128)
+    add("--batch", type=int, default=8, help="sequences per rank")
+    add("--lr", type=float, default=3e-4)
+    add("--steps", type=int, default=10, help="timed steps")
+    add("--warmup", type=int, default=3, help="discarded steps before them")
+    add("--repeats", type=int, default=3)
+    add("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    add("--quality", type=int, default=0, metavar="STEPS",
+        help="train the counting task for STEPS steps instead of timing")
+    add("--timeout", type=float, default=1800, help="seconds per configuration run")
+    add("--json", metavar="PATH", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: {unknown} not known; known: {list(CONFIGS)}")
+    if args.quality:
+        args.warmup = 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    payload = run_quality(args) if args.quality else run_speed(args)
+    payload["args"] = vars(args)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(payload, handle, indent=2)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
