@@ -247,3 +247,37 @@ def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int,
         dp_device_mesh=dp_mesh,
         pp_host_group_name=host_name,
     )
+
+
+_HOST_DP_MESHES: dict[str, Any] = {}
+
+
+def host_dp_mesh(mesh: Mesh) -> Any:
+    """A DeviceMesh of ``mesh``'s data-parallel ranks that takes CPU tensors (``None`` when
+    dp is 1; pp must be 1): the dp mesh itself when it is a CPU one, else one over a gloo
+    group of the same ranks (collective: every rank makes it), declared a host group
+    (``nccl_devices.host_group``). Optimizer offload places the visible parameters there, so
+    DTensor collectives on them (a gradient norm, a full tensor) never hand CPU tensors to an
+    NCCL group."""
+    device_mesh = mesh.dp_device_mesh
+    if device_mesh is None or mesh.dp == 1:
+        return None
+    if device_mesh.device_type == "cpu":
+        return device_mesh
+    cached = _HOST_DP_MESHES.get(mesh.dp_group_name)
+    if cached is not None:
+        return cached
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from zeroc.runtime.torch_compat import disable_current_modes
+
+    if mesh.pp != 1:
+        raise ValueError("a host data-parallel mesh is made for pp=1 only")
+    backend = None if is_fake_group(dist.group.WORLD) else "gloo"
+    mine = dist.new_group(list(mesh.dp_group_ranks), backend=backend)  # pp=1: every rank
+    host_group(mine)
+    with disable_current_modes():  # a planned world's fake tensor mode: the mesh is real
+        host_mesh = DeviceMesh.from_group(mine, "cpu", mesh_dim_names=("dp",))
+    shutdown.track_device_mesh(host_mesh)
+    _HOST_DP_MESHES[mesh.dp_group_name] = host_mesh
+    return host_mesh

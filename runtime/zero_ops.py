@@ -390,6 +390,9 @@ class ZeroLayout:
     tuned_inputs: tuple[tuple[int, ...], ...] = ()
     # The world zeroc.world plans this layout for (fake tensors); None: a real run.
     planned: PlannedWorld | None = None
+    # "optimizer": gradients and optimizer state of each rank's rows live on the host
+    # (``zeroc.sharding.offload``); the device holds the flat buffers only.
+    offload: str | None = None
 
     @property
     def dp_group_name(self) -> str:
@@ -405,6 +408,7 @@ class ZeroLayout:
         """Bytes a rank holds between steps: (parameters, gradients, optimizer state).
 
         Parameters: the flat buffers (stages 0 and 1: whole; 2 and 3: this rank's padded rows).
+        With optimizer offload the gradients and optimizer state are on the host: 0 here.
         Gradients (after the backward, until ``zero_grad``): whole at stage 0, this rank's
         rows at 1, 2 and 3. Optimizer state: ``optimizer_states`` tensors (Adam: 2) of
         this rank's rows (stage 0: whole). Frozen parameters have neither. ``names``: only
@@ -426,7 +430,22 @@ class ZeroLayout:
                 record.sharded and record.shape and record.shape[0]) else whole
             grads += (whole if record.op_stage == 0 else local) * itemsize
             optimizer += optimizer_states * local * itemsize
+        if self.offload is not None:  # on the host (``host_bytes``), not on the device
+            return params, 0, 0
         return params, grads, optimizer
+
+    def host_bytes(self, optimizer_states: int = 2, dp_index: int | None = None) -> int:
+        """Optimizer offload: bytes a rank holds on the host between steps, its master rows,
+        their gradients and ``optimizer_states`` tensors of them (0 without offload)."""
+        if self.offload is None:
+            return 0
+        rows = dataclasses.replace(self, offload=None).held_bytes(
+            optimizer_states, dp_index=dp_index)
+        masters = sum(
+            (local_rows_for(r.shape, self.dp, dp_index) if dp_index is not None else
+             r.local_rows) * (r.numel // r.shape[0]) * getattr(torch, r.dtype).itemsize
+            for r in self.params if r.sharded and r.shape and r.shape[0])
+        return masters + rows[1] + rows[2]
 
     def step_gather_bytes(self) -> int:
         """ZeRO-1: bytes of the one all-gather after ``optimizer.step()`` (0 otherwise)."""

@@ -41,6 +41,7 @@ from torch import nn
 from zeroc.runtime import torch_compat
 from zeroc.runtime.errors import ModelChangedError
 from zeroc.runtime.torch_compat import current_translator
+from zeroc.sharding import offload
 from zeroc.sharding.sharded_params import ShardedParam, ZeroState
 from zeroc.sharding.whole_rows import refresh_stale
 
@@ -100,6 +101,9 @@ def _sync(module: nn.Module) -> None:
     if state is not None:
         sync_requires_grad(module, state)
         refresh_stale(state.params, "before the forward")
+        if any(s.host is not None for s in state.params):  # optimizer offload
+            offload.refresh_stale(state.params, "before the forward")
+            offload.before_forward()
 
 
 # The file of ``nn.Module.__call__``: a frame Dynamo compiles from there is a module's own call.

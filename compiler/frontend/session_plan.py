@@ -200,10 +200,11 @@ def _memory_rows(layout: ZeroLayout | None, param_bytes: int, activations: int,
     ranks = mesh.dp_group_ranks if len(mesh.dp_group_ranks) == layout.dp else (mesh.rank,)
     rows = []
     for dp_index, rank in enumerate(ranks):
-        held = layout.held_bytes(ADAM_STATES, dp_index=dp_index if len(ranks) > 1 else None)
+        index = dp_index if len(ranks) > 1 else None
+        held = layout.held_bytes(ADAM_STATES, dp_index=index)
         rows.append(MemoryEstimate(rank=rank, params=held[0], grads=held[1], optimizer=held[2],
                                    activations=activations, peak=sum(held) + activations,
-                                   moved=moved))
+                                   moved=moved, host=layout.host_bytes(ADAM_STATES, index)))
     return tuple(sorted(rows, key=lambda m: m.rank))
 
 

@@ -59,7 +59,7 @@ from zeroc.frontend.trace_settings import (
     mark_batch_dynamic,
 )
 from zeroc.runtime.errors import OptionError
-from zeroc.runtime.mesh import Mesh, build_mesh, group_device
+from zeroc.runtime.mesh import Mesh, build_mesh, group_device, host_dp_mesh
 from zeroc.runtime.torch_compat import tree_map
 from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import (
@@ -76,6 +76,8 @@ from zeroc.runtime.zero_ops import (
 from zeroc.sharding.deferred_init import DeferredInit, has_meta_parameters
 from zeroc.sharding.fake_params import active_fake_mode, fake_flat, fake_visible
 from zeroc.sharding.meta_init import check_meta_initializable, materialize_direct
+from zeroc.sharding.offload import check_offload, offload_rows
+from zeroc.sharding.offload import install_hooks as install_offload_hooks
 from zeroc.sharding.sharded_params import (
     STATE_ATTR,
     ShardedParam,
@@ -205,6 +207,7 @@ def parallelize(
     layout: str | None = None,
     cache_dir: str | None = None,
     planned_world: PlannedWorld | None = None,
+    offload: str | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters in place over the data-parallel group; return ``model``.
 
@@ -238,6 +241,7 @@ def parallelize(
     if layout is not None:
         zero, pp, tuned, tuned_from, tuned_inputs = _tuned_layout(model, layout, cache_dir)
     _validate(model, zero)
+    check_offload(offload, zero, pp)
     _check_process_group(mesh)
     shared = planned_world.shared if planned_world is not None else None
     if shared is None or not shared.meta_initializable:
@@ -249,6 +253,7 @@ def parallelize(
     device = planned_world.device if planned_world is not None else group_device()
     skip_init = planned_world is not None and planned_world.skip_init
     mesh_ = build_mesh(pp, mesh, device.type)
+    host_mesh = host_dp_mesh(mesh_) if offload is not None else None
     # id(original parameter) -> (the original, kept alive so ids stay unique; its replacement;
     # every (module, local name) owning it; every name it is known by)
     entries: dict[int, tuple[nn.Parameter, ShardedParam, list[tuple[nn.Module, str]],
@@ -269,6 +274,8 @@ def parallelize(
                 if deferred is None or not param.is_meta:
                     full = _broadcast_from_dp_root(full, mesh_, planned_world)
                 sharded = _shard(param, full, zero, mesh_, policy, planned_world)
+                if offload is not None:
+                    offload_rows(sharded, host_mesh)
                 if deferred is not None and param.is_meta:
                     deferred.defer(sharded)
                 entries[id(param)] = (param, sharded, [], [])
@@ -284,6 +291,8 @@ def parallelize(
         state.params.append(sharded)
     finish_modules(model, modules, state)
     track_requires_grad(model)  # requires_grad changes take effect at the next call
+    if offload is not None:
+        install_offload_hooks(model)
     if zero == 1:
         ensure_step_hook()
         model.register_load_state_dict_post_hook(refresh_after_load)
@@ -304,6 +313,7 @@ def parallelize(
         zero=zero, pp=mesh_.pp, dp=mesh_.dp, world=mesh_.world, mixed_precision=policy,
         mesh=mesh_, params=tuple(s.record for s in state.params), tuned_options=tuned,
         tuned_from=tuned_from, tuned_inputs=tuned_inputs, planned=planned_world,
+        offload=offload,
     )
     setattr(model, LAYOUT_ATTR, layout)
     model.__dict__["_zeroc_state"] = state

@@ -102,6 +102,10 @@ class ShardedParam:
     # ZeRO-1: ``rows_stamp()`` when the whole parameter last equalled every rank's rows; a
     # write since (a load into the visible rows) makes it stale (``zeroc.sharding.whole_rows``).
     rows_version: tuple[int, int] = (-1, -1)
+    # Optimizer offload (``zeroc.sharding.offload``): this rank's rows on the host (the master
+    # copy the visible parameter wraps) and the CPU mesh it is placed on; None without.
+    host: torch.Tensor | None = None
+    host_mesh: Any = None
 
     def open_sink(self) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
@@ -114,7 +118,8 @@ class ShardedParam:
         """The version counters every in-place write of this rank's rows advances: the flat
         buffer's (writes into a view of it, or into the DTensor's local tensor) and the visible
         parameter's (writes through the DTensor, whose inner ops do not advance the former)."""
-        return self.flat._version, self.visible._version
+        rows = self.host if self.host is not None else self.flat
+        return rows._version, self.visible._version
 
     def local_layout(self) -> tuple[int, tuple[int, ...]]:
         """Where this rank's rows lie in the flat buffer: (first element, their shape)."""
@@ -144,7 +149,8 @@ class ShardedParam:
         from torch.distributed.tensor import DTensor
 
         shape = torch.Size(self.record.shape)
-        return DTensor.from_local(local, self.dp_mesh, [placement], run_check=False,
+        mesh = self.host_mesh if self.host is not None else self.dp_mesh
+        return DTensor.from_local(local, mesh, [placement], run_check=False,
                                   shape=shape, stride=make_contiguous_strides_for(shape))
 
     def move_grad(self, flat: torch.Tensor) -> None:
@@ -159,6 +165,11 @@ class ShardedParam:
             return
         self.sink = None
         rows = self.local_view(grad)
+        if self.host is not None:  # offload: to the host, handed over when the backward ends
+            from zeroc.sharding.offload import stash_grad
+
+            stash_grad(self, rows)
+            return
         if self.record.op_stage == 1:  # ZeRO-1: keep the rows, free the whole-size gradient
             rows = rows.clone()
         incoming = self.wrap(rows)
@@ -276,7 +287,8 @@ def _saver(cls: type, names: tuple[str, ...]):
 
     A ZeRO-1 parameter is saved as a DTensor over the flat buffer's rows that shares the
     buffer's version counter (the visible parameter's ``detach()`` would not), so an in-place
-    load into the state dict (DCP's ``dcp.load``) is seen: ``zeroc.sharding.whole_rows``."""
+    load into the state dict (DCP's ``dcp.load``) is seen: ``zeroc.sharding.whole_rows``; an
+    offloaded one as a DTensor over its host rows, likewise (``zeroc.sharding.offload``)."""
     def save(self: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
         shards = {n: self.__dict__[SHARD_PREFIX + n] for n in names}
         released = {n for n, sharded in shards.items() if not sharded.held}
@@ -288,8 +300,11 @@ def _saver(cls: type, names: tuple[str, ...]):
         finally:
             self.__dict__["_parameters"] = params
         for name, sharded in shards.items():
-            if (not keep_vars and sharded.record.op_stage == 1 and sharded.placement == "shard"
-                    and prefix + name in destination):
+            if keep_vars or prefix + name not in destination:
+                continue
+            if sharded.host is not None:
+                destination[prefix + name] = sharded.wrap(sharded.host.detach())
+            elif sharded.record.op_stage == 1 and sharded.placement == "shard":
                 destination[prefix + name] = sharded.wrap(sharded.local_view(sharded.flat.detach()))
 
     return save

@@ -242,4 +242,7 @@ def load_full_state_dict(
                 storage.copy_(full.reshape(-1))
             else:
                 storage.copy_(shard_of(full, layout.dp, layout.mesh.dp_index))
+            if sharded is not None and sharded.host is not None:  # offload: the master too
+                sharded.host.copy_(sharded.local_view(storage))
+                sharded.rows_version = sharded.rows_stamp()
             loaded.update(names[key])

@@ -135,6 +135,7 @@ class MemoryEstimate:
     activations: int
     peak: int
     moved: int = 0  # bytes this rank moves in collectives per training step (ZeRO accounting)
+    host: int = 0  # optimizer offload: master rows, gradients and optimizer state on the host
 
 
 @dataclasses.dataclass(frozen=True)
