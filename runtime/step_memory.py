@@ -58,8 +58,11 @@ def tracing() -> bool:
 class StepMemory(TorchDispatchMode):
     """Live bytes and their peak over the storages ops create (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str | None = None) -> None:
         super().__init__()
+        # Count only storages on this kind of device (None: every one). A planned CUDA step
+        # with optimizer offload counts its device, not the host memory beside it.
+        self.device_type = device_type
         self.live = 0
         self.peak = 0
         self._seen: dict[int, int] = {}
@@ -106,6 +109,8 @@ class StepMemory(TorchDispatchMode):
 
     def _record(self, tensor: torch.Tensor) -> int | None:
         """Count ``tensor``'s storage unless it already is; return its bytes if it was new."""
+        if self.device_type is not None and tensor.device.type != self.device_type:
+            return None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage

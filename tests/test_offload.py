@@ -5,7 +5,7 @@ gradient norms, parameters), with its master rows, gradients and Adam state in t
 their own; a DCP checkpoint of it resumes exactly, loaded either way. In the fake CUDA world
 (the strict NCCL device rules on) every graph input stays on the device, every offloaded
 tensor is on the host, and the plan's device memory drops by the gradients and Adam state:
-12 bytes per element of the shard.
+12 bytes per element of the shard at rest, 8 at the measured peak of a planned step.
 """
 
 from __future__ import annotations
@@ -128,6 +128,14 @@ def test_offloaded_tensors_are_on_the_host_in_the_fake_cuda_world() -> None:
     assert plain.peak - memory.peak == 12 * shard  # fp32 gradient + Adam's two moments
     assert memory.host == 16 * shard  # and the fp32 master rows, on the host
     assert memory.params == plain.params
+    # The world plan measures the step on its fake tensors: at the peak the gradients are
+    # still on the device while the backward makes them, so the peak drops by the moments.
+    batch = torch.zeros(4, 16, dtype=torch.long)
+    planned = {o: zeroc.explain(GPT(GPTConfig.tiny(), seed=0), (batch, batch), world=2, zero=3,
+                                device="cuda", offload=o).memory[0] for o in (None, "optimizer")}
+    assert (planned["optimizer"].grads, planned["optimizer"].optimizer) == (0, 0)
+    assert planned[None].peak - planned["optimizer"].peak == 8 * shard
+    assert planned["optimizer"].host == 16 * shard
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -178,3 +178,62 @@ def test_planning_stops_when_no_planned_candidate_fits(tmp_path) -> None:
                                           r"peak is"):
         zeroc.tune(model, (tokens, tokens), world=4, search=search, hardware=small,
                    device="cuda", budget_s=0.001, measure_best=1, cache_dir=str(tmp_path))
+
+
+def test_a_slow_link_makes_quantized_collectives_candidates_the_screen_prefers() -> None:
+    """On a profile whose inter-node link is slow (10 Gbit/s), a 16-rank data-parallel job
+    spanning two nodes gets quantized candidates (int8 gathers, int4 reductions), the screen
+    ranks them faster than the exact layout, the table names them, and ``search`` forbids
+    them; on the stock profile (400 Gbit/s) they are not default candidates."""
+    from zeroc.tuning.tune_result import Trial, TuneResult
+    from zeroc.tuning.tune_space import slow_link
+
+    fast = get_profile("h100-sxm")
+    slow = get_profile({**fast.to_dict(), "name": "slow", "inter_node_bytes_per_s": 1.25e9})
+    assert slow_link(16, 1, slow) and not slow_link(16, 1, fast) and not slow_link(8, 1, slow)
+    search = {"pp": [1], "zero": [3], "fused_loss": [True], "partitioner": ["min_cut"],
+              "prefetch": [1]}
+    exact = candidates(16, 16, search, fast)
+    assert [c.options_dict().get("gather_quant") for c in exact] == [None]
+    space = candidates(16, 16, search, slow)
+    quant = {(c.options_dict().get("gather_quant"), c.options_dict().get("reduce_quant"))
+             for c in space}
+    assert quant == {(None, None), ("int8", None), (None, "int4"), ("int8", "int4")}
+    assert space[0].options_dict().get("gather_quant") is None  # exact first
+    forbidden = candidates(16, 16, {**search, "gather_quant": [None], "reduce_quant": [None]},
+                           slow)
+    assert [c.options_dict().get("reduce_quant") for c in forbidden] == [None]
+    model = _llama(layers=4, hidden=512, ffn=1376, heads=8, kv_heads=8, vocab=8000, seq=256)
+    tokens = torch.zeros(16, 256, dtype=torch.long)
+    profile = profile_model(model, {"input_ids": tokens, "labels": tokens}, "cuda")
+    steps = {c: screen(profile, c, 16, slow).step_s for c in space}
+    both = next(c for c in space if c.options_dict().get("gather_quant")
+                and c.options_dict().get("reduce_quant"))
+    assert min(steps, key=steps.get) == both
+    assert steps[both] < 0.8 * steps[space[0]]
+    table = TuneResult(both, tuple(Trial(c, estimated_s=s) for c, s in steps.items()),
+                       False, "").table()
+    assert "gather_quant=int8" in table and "reduce_quant=int4" in table
+
+
+@pytest.mark.timeout(600)
+def test_a_model_that_fits_only_with_offload_gets_offload(tmp_path) -> None:
+    """A device between the planned peaks of ZeRO-3 with and without optimizer offload: the
+    tuner's exact layouts do not fit, so it ranks them again offloading the optimizer and
+    picks one, instead of raising; its table lists both."""
+    model = GPT(GPTConfig.tiny(), seed=0)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    search = {"pp": [1], "zero": [3], "fused_loss": [True], "partitioner": ["min_cut"],
+              "prefetch": [1]}
+    peaks = {offload: max(m.peak for m in plan_world(
+        model, (tokens, tokens), world=4, zero=3, device="cuda", offload=offload).memory)
+        for offload in (None, "optimizer")}
+    assert peaks["optimizer"] < peaks[None]
+    small = {**get_profile("h100-sxm").to_dict(), "name": "small",
+             "memory_bytes": (peaks[None] + peaks["optimizer"]) // 2}
+    result = zeroc.tune(model, (tokens, tokens), world=4, search=search, hardware=small,
+                        device="cuda", budget_s=60, measure_best=1, cache_dir=str(tmp_path))
+    assert result.best.offload == "optimizer" and result.best.zero == 3
+    assert {t.candidate.offload for t in result.trials} == {None, "optimizer"}
+    assert "offload=optimizer" in result.table()
+    assert Candidate.from_json(result.best.to_json()) == result.best

@@ -24,6 +24,7 @@ class Candidate:
     zero: int
     pp: int
     options: tuple[tuple[str, Any], ...] = ()
+    offload: str | None = None  # parallelize's ``offload`` ("optimizer": ZeRO-Offload)
 
     def options_dict(self) -> dict[str, Any]:
         """The compile options for ``torch.compile(..., backend="zeroc", options=...)``."""
@@ -33,17 +34,23 @@ class Candidate:
         """A short readable name: ``zero3 pp1 fused_loss=False``."""
         parts = [f"zero{self.zero}", f"pp{self.pp}"]
         parts += [f"{k}={v}" for k, v in self.options]
+        if self.offload:
+            parts.append(f"offload={self.offload}")
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able form (``from_json`` inverts it)."""
-        return {"zero": self.zero, "pp": self.pp, "options": dict(self.options)}
+        found = {"zero": self.zero, "pp": self.pp, "options": dict(self.options)}
+        if self.offload:
+            found["offload"] = self.offload
+        return found
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Candidate:
         """Inverse of ``to_json``."""
         return Candidate(int(data["zero"]), int(data["pp"]),
-                         tuple(sorted(dict(data.get("options", {})).items())))
+                         tuple(sorted(dict(data.get("options", {})).items())),
+                         data.get("offload"))
 
 
 def model_key(model: nn.Module, example_inputs: Any) -> str:

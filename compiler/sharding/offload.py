@@ -73,6 +73,7 @@ def offload_rows(sharded: ShardedParam, host_mesh: Any) -> None:
     ``host_mesh`` (a plain tensor without a data-parallel group)."""
     sharded.host = make_host_rows(sharded.local_view(sharded.flat.detach()))
     sharded.host_mesh = host_mesh
+    sharded.take_grad = stash_grad
     if sharded.dtensor_placement() is not None and host_mesh is None:
         raise AssertionError("an offloaded DTensor parameter needs a host mesh")
     sharded.visible = torch.nn.Parameter(sharded.wrap(sharded.host),

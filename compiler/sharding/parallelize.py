@@ -239,7 +239,8 @@ def parallelize(
     tuned: tuple[tuple[str, Any], ...] = ()
     tuned_from, tuned_inputs = "", ()
     if layout is not None:
-        zero, pp, tuned, tuned_from, tuned_inputs = _tuned_layout(model, layout, cache_dir)
+        zero, pp, tuned, tuned_from, tuned_inputs, offload = _tuned_layout(
+            model, layout, cache_dir)
     _validate(model, zero)
     check_offload(offload, zero, pp)
     _check_process_group(mesh)
@@ -330,8 +331,8 @@ def parallelize(
 
 
 def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
-                  ) -> tuple[int, int, tuple[tuple[str, Any], ...], str, tuple]:
-    """``(zero, pp, options, source file, input shapes)`` of the tuned layout for ``model``
+                  ) -> tuple[int, int, tuple[tuple[str, Any], ...], str, tuple, str | None]:
+    """``(zero, pp, options, source file, input shapes, offload)`` of the tuned layout for ``model``
     here: one made for this model structure, world, device and torch and zeroc versions."""
     from zeroc.sharding.tune_cache import layout_key, layout_path, read_layout, read_on_rank0
 
@@ -350,7 +351,7 @@ def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
             "same cache_dir")
     best, source, inputs = found
     log.info("zeroc.parallelize: tuned layout %s from %s", best.label(), source)
-    return best.zero, best.pp, best.options, source, inputs
+    return best.zero, best.pp, best.options, source, inputs, best.offload
 
 
 def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,

@@ -106,6 +106,9 @@ class ShardedParam:
     # copy the visible parameter wraps) and the CPU mesh it is placed on; None without.
     host: torch.Tensor | None = None
     host_mesh: Any = None
+    # Offload: takes this rank's reduced gradient rows (``offload.stash_grad``) in place of
+    # ``move_grad``'s own hand-over.
+    take_grad: Any = None
 
     def open_sink(self) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
@@ -165,10 +168,8 @@ class ShardedParam:
             return
         self.sink = None
         rows = self.local_view(grad)
-        if self.host is not None:  # offload: to the host, handed over when the backward ends
-            from zeroc.sharding.offload import stash_grad
-
-            stash_grad(self, rows)
+        if self.take_grad is not None:  # offload: to the host, handed over when backward ends
+            self.take_grad(self, rows)
             return
         if self.record.op_stage == 1:  # ZeRO-1: keep the rows, free the whole-size gradient
             rows = rows.clone()

@@ -12,7 +12,9 @@ directories, a format version, a checksum), both under ``<cache_dir>/tune/``:
 
 A record read back is checked whole: the layout's ZeRO stage and pipeline degree in range (the
 degree divides the world), its options only the tuner's own (``TUNABLE_OPTIONS``: never one
-that changes what is computed, such as ``loss_reduction``, or where files go, ``cache_dir``)
+that changes what is computed, such as ``loss_reduction``, or where files go, ``cache_dir``;
+the quantized collectives change the numbers only within their error bounds, and the tuner
+offers them only on a slow link or where ``search`` asks)
 with values the compile accepts, every trial's figures finite and non-negative. A record that
 fails any check is ignored with one log line, and ``tune`` searches again
 (``parallelize(layout="auto")`` raises, naming the directory).
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 TUNE_FORMAT = 2
 # The compile options a tuned layout may carry: the tuner's search axes but zero and pp.
 TUNABLE_OPTIONS = ("schedule", "microbatches", "bucket_mb", "prefetch", "fused_loss",
-                   "partitioner")
+                   "partitioner", "gather_quant", "reduce_quant")
 _TRIAL_FIELDS = ("candidate", "estimated_s", "peak_bytes", "measured_s", "rejected")
 _MAX_SECONDS = 1e6
 _MATCHED_ATTR = "_zeroc_tuned_inputs_match"  # on a ZeroLayout: the first compile's verdict
@@ -106,17 +108,21 @@ def _root(path: str) -> str:
 
 def candidate_from_record(data: Any, world: int, where: str) -> Candidate:
     """The candidate a record holds, when its stage, degree and options are in range."""
-    entry = fields(data, where, ("zero", "pp", "options"))
+    entry = fields(data, where, ("zero", "pp", "options"), ("offload",))
     zero = integer(entry["zero"], f"{where}.zero", 0, 3)
     pp = integer(entry["pp"], f"{where}.pp", 1, world)
     if world % pp:
         raise RecordError(f"{where}.pp = {pp} does not divide the world of {world}")
+    offload = entry.get("offload")
+    if offload not in (None, "optimizer") or (offload and (zero < 2 or pp != 1)):
+        raise RecordError(f"{where}.offload = {offload!r} is not an offload zeroc supports "
+                          f"at zero={zero}, pp={pp}")
     options = fields(entry["options"], f"{where}.options", (), TUNABLE_OPTIONS)
     checked = {k: check_option(k, v) for k, v in options.items()}
     microbatches = checked.get("microbatches")
     if microbatches is not None and microbatches < pp:
         raise RecordError(f"{where}.options.microbatches = {microbatches} is under pp={pp}")
-    return Candidate(zero, pp, tuple(sorted(checked.items())))
+    return Candidate(zero, pp, tuple(sorted(checked.items())), offload)
 
 
 def _seconds(value: Any, where: str) -> float | None:

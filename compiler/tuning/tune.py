@@ -44,7 +44,7 @@ from zeroc.runtime.step_clock import RegionTimer
 from zeroc.sharding.tune_cache import cache_path, read_cached, read_on_rank0, write_cached
 from zeroc.tuning.tune_estimate import estimate_all
 from zeroc.tuning.tune_result import Trial, TuneResult
-from zeroc.tuning.tune_space import Candidate, candidates, model_key
+from zeroc.tuning.tune_space import Candidate, candidates, model_key, offload_variants
 from zeroc.tuning.tune_world import PLAN_BUDGET_S, tune_world
 
 __all__ = ["TuneResult", "Trial", "tune"]
@@ -122,7 +122,8 @@ def measure(model: nn.Module, example_inputs: Any, candidate: Candidate, steps: 
     from zeroc.sharding.parallelize import parallelize
 
     torch.compiler.reset()
-    trial = parallelize(copy.deepcopy(model), zero=candidate.zero, pp=candidate.pp)
+    trial = parallelize(copy.deepcopy(model), zero=candidate.zero, pp=candidate.pp,
+                        offload=candidate.offload)
     compiled = torch.compile(trial, backend="zeroc", options=candidate.options_dict())
     optimizer = torch.optim.AdamW(trial.parameters(), lr=1e-4)
     timer = RegionTimer(_trial_device(trial))  # on CUDA: the device's time (events)
@@ -196,28 +197,43 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None
 
         hardware = calibrate(cache_dir=cache_dir)
     hardware = get_profile(hardware)  # a name or a dict: the profile (raises naming them)
-    space = candidates(world, _batch_rows(example_inputs), search)
+    space = candidates(world, _batch_rows(example_inputs), search, hardware)
     log.info("zeroc.tune: %d candidates for world %d on %s", len(space), world, device)
     if planning:
         return tune_world(model, example_inputs, space, world=world, device=device,
                           hardware=hardware, budget_s=budget_s, plan_best=measure_best,
                           path=path, progress=lambda phase, d, t: _progress(rank, phase, d, t))
-    estimates = estimate_all(model, example_inputs, space, world=world, device=device,
-                             hardware=hardware, budget_s=budget_s,
-                             progress=lambda d, t: _progress(rank, "estimating", d, t))
-    trials = []
-    for candidate in space:
-        step, peak, reason, parts = estimates.get(
-            candidate, (None, None, "not estimated: budget spent", {}))
-        trials.append(Trial(candidate, estimated_s=step, peak_bytes=peak, rejected=reason,
-                            parts=parts))
+
+    def estimated(layouts: list[Candidate]) -> list[Trial]:
+        estimates = estimate_all(model, example_inputs, layouts, world=world, device=device,
+                                 hardware=hardware, budget_s=budget_s,
+                                 progress=lambda d, t: _progress(rank, "estimating", d, t))
+        found = []
+        for candidate in layouts:
+            step, peak, reason, parts = estimates.get(
+                candidate, (None, None, "not estimated: budget spent", {}))
+            trial = Trial(candidate, estimated_s=step, peak_bytes=peak, rejected=reason,
+                          parts=parts)
+            if not trial.rejected and capacity and peak and peak > capacity:
+                trial.rejected = f"needs {human_bytes(peak)} > {human_bytes(capacity)}"
+            found.append(trial)
+        return found
+
     capacity = hardware.memory_bytes
-    for trial in trials:
-        if not trial.rejected and capacity and trial.peak_bytes and trial.peak_bytes > capacity:
-            trial.rejected = f"needs {human_bytes(trial.peak_bytes)} > {human_bytes(capacity)}"
-    # By estimate; unestimated ones (the planning process failed) after, in search order.
-    alive = sorted((t for t in trials if not t.rejected),
-                   key=lambda t: (t.estimated_s is None, t.estimated_s or 0.0))
+    trials = estimated(space)
+
+    def fitting() -> list[Trial]:
+        # By estimate; unestimated ones (the planning process failed) after, in search order.
+        return sorted((t for t in trials if not t.rejected),
+                      key=lambda t: (t.estimated_s is None, t.estimated_s or 0.0))
+
+    alive = fitting()
+    offloaded = offload_variants(space)
+    if not alive and offloaded and any(t.peak_bytes for t in trials):
+        log.warning("zeroc.tune: no layout fits on %s without optimizer offload; estimating "
+                    "%d layouts that offload it", device, len(offloaded))
+        trials += estimated(offloaded)
+        alive = fitting()
     if not alive:
         peaks = [t.peak_bytes for t in trials if t.peak_bytes]
         if peaks:

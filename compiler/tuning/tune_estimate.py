@@ -47,7 +47,7 @@ def _estimate(model: nn.Module, example_inputs: Any, candidate: Candidate, world
     try:
         plan = plan_world(model, example_inputs, world=world, pp=candidate.pp,
                           zero=candidate.zero, device=device, hardware=hardware,
-                          options=candidate.options_dict())
+                          options=candidate.options_dict(), offload=candidate.offload)
     except Exception as error:  # a candidate the model cannot take is rejected, not fatal
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         log.info("zeroc.tune: cannot plan %s: %s", candidate.label(), reason)
@@ -59,7 +59,15 @@ def _estimate(model: nn.Module, example_inputs: Any, candidate: Candidate, world
     parts = {"compute_s": estimate.compute_s,
              "exposed_communication_s": estimate.exposed_communication_s,
              "optimizer_s": estimate.optimizer_s, "bubble": estimate.bubble}
-    return estimate.step_s, peak, "", parts
+    step = estimate.step_s
+    if candidate.offload:  # the plan's optimizer time is the device's: the host's instead
+        from zeroc.tuning.tune_screen import offload_step_s
+
+        host = max((m.host for m in plan.memory), default=0)
+        offloaded = offload_step_s(host // 16)  # 16 bytes per element: master, grad, 2 moments
+        step += offloaded - estimate.optimizer_s
+        parts["optimizer_s"] = offloaded
+    return step, peak, "", parts
 
 
 def _estimate_here(model: nn.Module, example_inputs: Any, space: list[Candidate], world: int,

@@ -112,7 +112,7 @@ class TuneResult:
         """Parallelize ``model`` with the winning layout; return its compile options."""
         from zeroc.sharding.parallelize import parallelize
 
-        parallelize(model, zero=self.best.zero, pp=self.best.pp)
+        parallelize(model, zero=self.best.zero, pp=self.best.pp, offload=self.best.offload)
         return self.best.options_dict()
 
 

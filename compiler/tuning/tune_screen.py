@@ -35,6 +35,12 @@ and plans in full only the best few. The screen models, per candidate:
   backward's working set is two of the stage's largest outputs.
 - **the optimizer**: AdamW's 28 bytes per parameter element a rank updates, at memory
   bandwidth.
+- **optimizer offload**: the device keeps the parameter shard (and, in the backward, the
+  gradient shard until it is copied out); the step's optimizer time is AdamW at the host's
+  bandwidth plus the two copies over the link (``offload_step_s``).
+- **quantized collectives** (``gather_quant``, ``reduce_quant``): the collective's time scaled
+  by the bytes it moves per fp32 byte (``QUANT_WIRE``: 0.254 for int8, 0.129 for int4), plus a
+  quantize and dequantize pass over the rank's parameters at memory bandwidth.
 
 The screen is a model of what a plan would find, not a plan: the tuner plans the winners in
 full (``zeroc.world.world_plan``) and ranks them by their plans.
@@ -49,12 +55,29 @@ from zeroc.passes.schedule import build_schedule
 from zeroc.passes.stage_balance import partition_costs
 from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s
 from zeroc.runtime.cost.simulate import ActionCosts, simulate
+from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
 from zeroc.tuning.tune_space import Candidate
 from zeroc.world.model_profile import ModelProfile, OpRecord
 
 __all__ = ["Screened", "screen", "state_bytes"]
 
 ADAMW_BYTES_PER_ELEMENT = 28  # read p, g, m, v; write p, m, v: 7 fp32 values
+# Quantized collectives: the bytes moved per fp32 byte (values and one fp32 scale per block)
+# and the bytes a quantize + dequantize pass reads and writes per element.
+QUANT_WIRE = {"int8": (1 + 4 / QUANT_BLOCK) / 4, "int4": (0.5 + 4 / QUANT_BLOCK) / 4}
+QUANT_PASS_BYTES = 10
+# Optimizer offload: the host's memory bandwidth one rank's AdamW gets, and the device-host
+# link per direction (PCIe 4.0 x16); a step moves the gradient shard out and the updated
+# parameter shard back (4 bytes each per fp32 element).
+OFFLOAD_HOST_BYTES_PER_S = 20e9
+OFFLOAD_LINK_BYTES_PER_S = 25e9
+
+
+def offload_step_s(elements: int) -> float:
+    """Seconds of an offloaded optimizer step over ``elements`` fp32 shard elements: AdamW
+    on the host and the two copies over the link."""
+    return (elements * ADAMW_BYTES_PER_ELEMENT / OFFLOAD_HOST_BYTES_PER_S
+            + elements * 8 / OFFLOAD_LINK_BYTES_PER_S)
 STATE_BYTES_PER_PARAM_BYTE = 4  # fp32 parameter, gradient and two moments: 4x the parameter
 V_SHAPED = ("dualpipev",)  # schedules that place two stages on every rank
 
@@ -239,6 +262,14 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
         params = sum(stages[s].params for s in mine)
         gather_s, reduce_s = _zero_collectives_s(params, zero, dp, pp > 1, hardware,
                                                  inter_node)
+        quant_s = 0.0
+        for key, kind in (("gather_quant", "gather"), ("reduce_quant", "reduce")):
+            if options.get(key) and dp > 1:
+                if kind == "gather":
+                    gather_s *= QUANT_WIRE[options[key]]
+                else:
+                    reduce_s *= QUANT_WIRE[options[key]]
+                quant_s += params // 4 * QUANT_PASS_BYTES / hardware.memory_bytes_per_s
         if pp > 1:
             exposed = gather_s + reduce_s
         elif zero == 3 and int(options.get("prefetch", 1) or 0) > 0:
@@ -247,6 +278,8 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
             exposed = gather_s + max(0.0, reduce_s - costs[0][1])
         elements = params // 4 if zero == 0 else -(-params // 4 // dp)
         optimizer_s = elements * ADAMW_BYTES_PER_ELEMENT / hardware.memory_bytes_per_s
+        if candidate.offload:
+            optimizer_s = offload_step_s(elements)
         activations = max(saved[s] for s in mine) * in_flight[rank]
         if not fused and stage_count - 1 in mine:  # the logits' gradient, while it lives
             activations += int(profile.largest_output() * scale)
@@ -259,9 +292,12 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
         elif zero >= 2:  # the whole step's parameters; a pipeline's summed full gradients
             gathered = params * (2 if pp > 1 else 1)
         state = state_bytes(params, zero, dp)
+        if candidate.offload:  # the device keeps the shard; its gradient while it is copied
+            state = -(-params // dp)
+            activations += state
         states.append(state)
         peaks.append(state + activations + gathered)
-        steps.append(compute_s + exposed + optimizer_s)
+        steps.append(compute_s + exposed + optimizer_s + quant_s)
         exposed_all.append(exposed)
         optimizer_all.append(optimizer_s)
     slowest = max(range(pp), key=lambda r: steps[r])

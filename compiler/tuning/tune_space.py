@@ -6,6 +6,14 @@ A ``Candidate`` is one layout (ZeRO stage, pipeline degree) with its compile opt
 defaults first, so a search cut short by its budget has still looked at the usual choices.
 ``search`` narrows or widens any axis: ``{"zero": [2, 3], "fused_loss": [True]}``.
 
+Quantized collectives (``gather_quant`` for ZeRO-2/3, ``reduce_quant`` for ZeRO-1/2/3) change
+the numbers within their error bounds, so they are candidates by default only where the
+data-parallel link is slow (``slow_link``: ``tune`` decides from the hardware profile, see
+``SLOW_LINK_BYTES_PER_S``); ``search={"gather_quant": [None, "int8"]}`` allows them anywhere,
+``[None]`` forbids them. Optimizer offload (``search={"offload": [None, "optimizer"]}``) is
+not a default candidate: ``tune`` tries it (``offload_variants``) only when no layout fits the
+device without it.
+
 ``model_key`` hashes the module classes, parameter names, shapes and dtypes and the example
 inputs' shapes (what decides the compiled graphs): the tune cache (``zeroc.sharding.tune_cache``)
 keeps
@@ -21,12 +29,16 @@ from zeroc.frontend.config import SCHEDULES, Config
 from zeroc.runtime.errors import OptionError
 from zeroc.sharding.layout_candidate import Candidate, model_key  # noqa: F401 (re-exported)
 
-__all__ = ["Candidate", "SEARCH_AXES", "candidates", "model_key"]
+__all__ = ["Candidate", "SEARCH_AXES", "SLOW_LINK_BYTES_PER_S", "candidates", "model_key",
+           "offload_variants", "slow_link"]
 
 log = logging.getLogger(__name__)
 
 SEARCH_AXES = ("zero", "pp", "schedule", "microbatches", "bucket_mb", "prefetch", "fused_loss",
-               "partitioner")
+               "partitioner", "gather_quant", "reduce_quant", "offload")
+# A data-parallel link at most this fast (bytes per second per device: 100 Gbit/s) makes the
+# quantized collectives default candidates.
+SLOW_LINK_BYTES_PER_S = 12.5e9
 
 
 def _axis(search: dict[str, Any], name: str, default: list[Any]) -> list[Any]:
@@ -36,10 +48,45 @@ def _axis(search: dict[str, Any], name: str, default: list[Any]) -> list[Any]:
     return list(values)
 
 
-def candidates(world: int, batch: int, search: dict[str, Any] | None = None
-               ) -> list[Candidate]:
+def slow_link(world: int, pp: int, hardware: Any) -> bool:
+    """Whether ``world // pp`` data-parallel ranks talk over a link of at most
+    ``SLOW_LINK_BYTES_PER_S`` on ``hardware`` (between nodes when they span more than one)."""
+    spans = world // pp > hardware.devices_per_node
+    rate = hardware.inter_node_bytes_per_s if spans else hardware.intra_node_bytes_per_s
+    return rate <= SLOW_LINK_BYTES_PER_S
+
+
+def _quantized(search: dict[str, Any], zero: int, slow: bool) -> list[dict[str, Any]]:
+    """The quantization options of a ZeRO ``zero`` layout: exact first."""
+    gathers = _axis(search, "gather_quant", [None, "int8"] if slow else [None]) \
+        if zero >= 2 else [None]
+    reduces = _axis(search, "reduce_quant", [None, "int4"] if slow else [None]) \
+        if zero >= 1 else [None]
+    return [{k: v for k, v in (("gather_quant", g), ("reduce_quant", r)) if v is not None}
+            for g in gathers for r in reduces]
+
+
+def _offloads(search: dict[str, Any], zero: int, pp: int) -> list[str | None]:
+    """``parallelize``'s offload values for a layout: ``search["offload"]`` (default: none)
+    where offload runs (ZeRO-2/3 at pp=1), else none."""
+    wanted = _axis(search, "offload", [None])
+    return list(dict.fromkeys(o if zero >= 2 and pp == 1 else None for o in wanted))
+
+
+def offload_variants(space: list[Candidate]) -> list[Candidate]:
+    """The layouts of ``space`` that can offload the optimizer, offloading it: what ``tune``
+    tries when nothing fits the device without."""
+    return list(dict.fromkeys(
+        Candidate(c.zero, c.pp, c.options, "optimizer") for c in space
+        if c.zero >= 2 and c.pp == 1 and c.offload is None))
+
+
+def candidates(world: int, batch: int, search: dict[str, Any] | None = None,
+               hardware: Any = None) -> list[Candidate]:
     """Every candidate for ``world`` ranks at a global ``batch`` (rows of one replica's
-    example), defaults first. Pipelines need a batch their micro-batches divide."""
+    example), defaults first. Pipelines need a batch their micro-batches divide.
+    ``hardware``: the profile whose link speed decides whether quantized collectives are
+    default candidates (``slow_link``)."""
     search = dict(search or {})
     unknown = set(search) - set(SEARCH_AXES)
     if unknown:
@@ -65,6 +112,8 @@ def candidates(world: int, batch: int, search: dict[str, Any] | None = None
                           if batch % m == 0 and m >= low]
             for microbatches in counts:
                 for zero in zeros:
+                    slow = hardware is not None and slow_link(world, pp, hardware)
+                    quantized = _quantized(search, zero, slow)
                     prefetches = _axis(search, "prefetch", [defaults.prefetch, 0]) \
                         if zero == 3 and pp == 1 else [defaults.prefetch]
                     buckets = _axis(search, "bucket_mb", [defaults.bucket_mb]) \
@@ -83,8 +132,10 @@ def candidates(world: int, batch: int, search: dict[str, Any] | None = None
                                     if pp > 1:
                                         options["schedule"] = schedule
                                         options["microbatches"] = microbatches
-                                    found.append(Candidate(zero, pp,
-                                                           tuple(sorted(options.items()))))
+                                    for quant in quantized:
+                                        for offload in _offloads(search, zero, pp):
+                                            found.append(Candidate(zero, pp, tuple(sorted(
+                                                {**options, **quant}.items())), offload))
     if not found:
         raise OptionError(f"zeroc.tune: no candidate for world={world} and batch={batch} "
                           f"with search={search!r} (micro-batches must divide the batch)")

@@ -16,10 +16,13 @@ layouts. So:
    planning goes on past the budget until one planned candidate fits in memory or
    ``plan_best`` have been planned.
 4. The winner is the planned candidate with the best planned step that fits.
+5. If none fits, the layouts that can offload the optimizer (ZeRO-2/3 at pp=1) go through 1-4
+   again offloading it: a model too large for the device gets a layout with offload.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +35,7 @@ from zeroc.runtime.plan.plan_text import human_bytes
 from zeroc.tuning.tune_estimate import estimate_all
 from zeroc.tuning.tune_result import Trial, TuneResult
 from zeroc.tuning.tune_screen import screen
-from zeroc.tuning.tune_space import Candidate
+from zeroc.tuning.tune_space import Candidate, offload_variants
 from zeroc.world.model_profile import profile_model
 
 __all__ = ["PLAN_BUDGET_S", "tune_world"]
@@ -69,11 +72,40 @@ def _screen_all(model: nn.Module, example_inputs: Any, space: list[Candidate], w
     return trials
 
 
+class NothingFits(OptionError):
+    """No candidate fits the device; ``trials`` are what was screened and planned."""
+
+    def __init__(self, message: str, trials: list[Trial]) -> None:
+        super().__init__(message)
+        self.trials = trials
+
+
 def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *, world: int,
                device: str, hardware: Any, budget_s: float, plan_best: int, path: str,
                progress: Callable[[str, int, int], None]) -> TuneResult:
     """Rank ``space`` for a ``world``-rank job on ``hardware`` without the cluster (see the
-    module docstring)."""
+    module docstring). When no candidate fits the device, the layouts that can offload the
+    optimizer are ranked again offloading it (``offload_variants``); only if none of those
+    fits either does it raise."""
+    try:
+        return _rank(model, example_inputs, space, world=world, device=device,
+                     hardware=hardware, budget_s=budget_s, plan_best=plan_best, path=path,
+                     progress=progress)
+    except NothingFits as error:
+        offloaded = offload_variants(space)
+        if not offloaded:
+            raise
+        log.warning("zeroc.tune: no layout fits on %s without optimizer offload (%s); "
+                    "ranking %d layouts that offload it", device, error, len(offloaded))
+        result = _rank(model, example_inputs, offloaded, world=world, device=device,
+                       hardware=hardware, budget_s=budget_s, plan_best=plan_best, path=path,
+                       progress=progress)
+        return dataclasses.replace(result, trials=(*error.trials, *result.trials))
+
+
+def _rank(model: nn.Module, example_inputs: Any, space: list[Candidate], *, world: int,
+          device: str, hardware: Any, budget_s: float, plan_best: int, path: str,
+          progress: Callable[[str, int, int], None]) -> TuneResult:
     start = time.perf_counter()
     trials = _screen_all(model, example_inputs, space, world, device, hardware)
     progress("screening", len(space), len(space))
@@ -81,11 +113,11 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
     if not alive:
         peaks = [t.peak_bytes for t in trials if t.peak_bytes]
         if peaks:
-            raise OptionError(
+            raise NothingFits(
                 f"zeroc.tune: no candidate fits in memory on {device}: the smallest screened "
                 f"peak is {human_bytes(min(peaks))} against "
                 f"{human_bytes(hardware.memory_bytes or 0)}; widen the search (more pipeline "
-                "stages, ZeRO-3) or use a smaller batch")
+                "stages, ZeRO-3) or use a smaller batch", trials)
         reasons = sorted({t.rejected for t in trials})
         raise OptionError(f"zeroc.tune: no candidate could be screened ({'; '.join(reasons)})")
     log.info("zeroc.tune: screened %d candidates in %.1f s; planning the best", len(space),
@@ -123,8 +155,8 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
         detail = (f"the smallest planned peak is {human_bytes(min(peaks))} against "
                   f"{human_bytes(capacity or 0)}" if peaks else
                   "; ".join(sorted({t.rejected for t in planned})))
-        raise OptionError(f"zeroc.tune: none of the screened candidates could be planned to "
-                          f"fit on {device} for world={world}: {detail}")
+        raise NothingFits(f"zeroc.tune: none of the screened candidates could be planned to "
+                          f"fit on {device} for world={world}: {detail}", trials)
     best = min(fitting, key=lambda t: t.estimated_s)
     result = TuneResult(best.candidate, tuple(trials), False, path, measured=False)
     log.info("zeroc.tune: ranked world %d in %.1f s: %s\n%s", world,

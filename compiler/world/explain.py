@@ -13,7 +13,8 @@ __all__ = ["explain"]
 
 def explain(compiled: Any, example_inputs: Any = None, *, world: int | None = None,
             pp: int = 1, zero: int = 3, device: str = "cuda", hardware: Any = None,
-            options: dict | None = None, mixed_precision: Any = None) -> Plan:
+            options: dict | None = None, mixed_precision: Any = None,
+            offload: str | None = None) -> Plan:
     """Return the Plan of what zeroc compiled for ``compiled``.
 
     ``compiled`` is what ``torch.compile(..., backend="zeroc")`` returned (a module or a
@@ -26,12 +27,14 @@ def explain(compiled: Any, example_inputs: Any = None, *, world: int | None = No
     or a dict of keyword inputs); every pipeline position of a W-rank job with ``pp``
     positions and ZeRO stage ``zero`` runs one fake training step on ``device`` in this
     process (``zeroc.world.world_plan``). ``hardware``: a profile name or dict
-    (``zeroc.runtime.cost.hardware``); ``options``: zeroc's compile options.
+    (``zeroc.runtime.cost.hardware``); ``options``: zeroc's compile options; ``offload``:
+    ``parallelize``'s (``"optimizer"``: the plan's memory rows count the device and the host
+    apart).
     """
     if world is not None:
         from zeroc.world.world_plan import plan_world
 
         return plan_world(compiled, example_inputs, world=world, pp=pp, zero=zero,
                           device=device, hardware=hardware, options=options,
-                          mixed_precision=mixed_precision)
+                          mixed_precision=mixed_precision, offload=offload)
     return build_plan(session_of(compiled))

@@ -159,15 +159,15 @@ class PositionPlan:
     p2p: P2PRecord | None = None
 
 
-def _storage_bytes(tensors: list[Any]) -> int:
+def _storage_bytes(tensors: list[Any], device_type: str | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard; a
-    parameter another pipeline rank holds: nothing)."""
+    parameter another pipeline rank holds: nothing); only those on ``device_type`` if given."""
     seen, total = set(), 0
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
             continue
         local = getattr(tensor, "_local_tensor", tensor)
-        if local.is_meta:
+        if local.is_meta or (device_type is not None and local.device.type != device_type):
             continue
         storage = local.untyped_storage()
         if id(storage) not in seen:
@@ -184,9 +184,17 @@ def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[
                           if getattr(v, "dim", lambda: 0)()]}
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Parameters, gradients and optimizer state this rank holds, from the tensors."""
-    return {kind: _storage_bytes(tensors) for kind, tensors in _held(model, optimizer).items()}
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer,
+               device_type: str | None = None) -> dict[str, int]:
+    """Parameters, gradients and optimizer state this rank holds, from the tensors (only on
+    ``device_type`` if given)."""
+    return {kind: _storage_bytes(tensors, device_type)
+            for kind, tensors in _held(model, optimizer).items()}
+
+
+def _offloaded(model: nn.Module) -> bool:
+    state = model.__dict__.get("_zeroc_state")
+    return state is not None and any(s.host is not None for s in state.params)
 
 
 def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -202,8 +210,11 @@ def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimi
     from zeroc.runtime.step_memory import StepMemory
 
     optimizer.zero_grad(set_to_none=True)
-    before = held_bytes(model, optimizer)
-    tracker = StepMemory()
+    # Optimizer offload: the device's bytes only; the host's are reported apart.
+    device_type = next((s.flat.device.type for s in model._zeroc_state.params), None) if (
+        _offloaded(model)) else None
+    before = held_bytes(model, optimizer, device_type)
+    tracker = StepMemory(device_type)
     tracker.held(t for tensors in _held(model, optimizer).values() for t in tensors)
     with tracker.active():
         loss = loss_of(compiled(*args, **kwargs))
@@ -212,9 +223,16 @@ def measured_step(compiled: Any, model: nn.Module, optimizer: torch.optim.Optimi
         forward_backward = tracker.peak
         with tracker:
             optimizer.step()
-    after = held_bytes(model, optimizer)
-    return {**after, "peak": after["params"] + max(after["optimizer"] + forward_backward,
-                                                    before["optimizer"] + tracker.peak)}
+    after = held_bytes(model, optimizer, device_type)
+    host = 0
+    if device_type is not None and device_type != "cpu":
+        everything = held_bytes(model, optimizer)
+        host = sum(everything.values()) - sum(after.values()) + sum(
+            s.host.untyped_storage().nbytes() for s in model._zeroc_state.params
+            if s.host is not None and s.host.device.type == "cpu")
+    return {**after, "host": host,
+            "peak": after["params"] + max(after["optimizer"] + forward_backward,
+                                          before["optimizer"] + tracker.peak)}
 
 
 def _backward_for(device: str) -> Any:
@@ -246,7 +264,8 @@ def _explain_value_read(error: Exception) -> None:
 def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: int, pp: int,
                   zero: int, device: str, options: dict | None,
                   mixed_precision: Any = None, trace: SharedTrace | None = None,
-                  shared: SharedPlanning | None = None) -> PositionPlan:
+                  shared: SharedPlanning | None = None,
+                  offload: str | None = None) -> PositionPlan:
     """Plan global rank ``rank`` of a ``world``-rank job: one fake training step.
 
     ``trace``: with ``pp > 1``, Dynamo's graph shared by the positions of one world
@@ -261,7 +280,7 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
     with fake_world(rank, world, pp, device) as _:
         args, kwargs = _fake_inputs(example_inputs, planned.device)
         parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision,
-                                     planned_world=planned)
+                                     planned_world=planned, offload=offload)
         optimizer = torch.optim.AdamW(parallel.parameters())
         session = None
         try:  # compiled outside the tracker: its module hooks would split Dynamo's graph

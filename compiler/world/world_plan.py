@@ -94,11 +94,13 @@ def _import_before_fork(options: dict | None) -> None:
 
 def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1,
                zero: int = 3, device: str = "cuda", hardware: Any = None,
-               options: dict | None = None, mixed_precision: Any = None) -> Plan:
+               options: dict | None = None, mixed_precision: Any = None,
+               offload: str | None = None) -> Plan:
     """The plan of a ``world``-rank job (``pp`` pipeline positions of ``world // pp``
     data-parallel ranks) for ``model`` on ``example_inputs`` (a tuple of positional inputs or
     a dict of keyword inputs, at the global batch of one data-parallel replica), computed on
-    this machine without the cluster. ``options``: zeroc's compile options."""
+    this machine without the cluster. ``options``: zeroc's compile options; ``offload``:
+    ``parallelize``'s (the memory rows then count the device, and the host apart)."""
     _check(world, pp, zero, device, hardware)
     dp = world // pp
     # What the positions share, this world's own (a later world gets a new one): Dynamo's
@@ -113,7 +115,7 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
         return plan_position(
             model, example_inputs, rank=position * dp, world=world, pp=pp, zero=zero,
             device=device, options=options, mixed_precision=mixed_precision, trace=trace,
-            shared=shared)
+            shared=shared, offload=offload)
 
     # What the positions share first; then the positions, on two cores where there are.
     with full_collections_deferred():
@@ -136,7 +138,8 @@ def plan_world(model: nn.Module, example_inputs: Any, *, world: int, pp: int = 1
         for rank in range(position * dp, (position + 1) * dp):
             memory.append(MemoryEstimate(
                 rank=rank, params=row["params"], grads=row["grads"], optimizer=row["optimizer"],
-                activations=activations, peak=row["peak"], moved=moved))
+                activations=activations, peak=row["peak"], moved=moved,
+                host=row.get("host", 0)))
     mesh = (("pp", pp), ("dp", dp))
     meta = dataclasses.replace(base.meta, world_size=world, mesh=mesh,
                                device=device if device == "cpu" else "cuda (planned)")
