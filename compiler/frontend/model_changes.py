@@ -100,10 +100,11 @@ def _sync(module: nn.Module) -> None:
     state = module.__dict__.get("_zeroc_state")
     if state is not None:
         sync_requires_grad(module, state)
-        refresh_stale(state.params, "before the forward")
-        if any(s.host is not None for s in state.params):  # optimizer offload
+        layout = module.__dict__.get(LAYOUT_ATTR)
+        if layout is not None and layout.zero == 1:  # rows loaded since the last gather
+            refresh_stale(state.params, "before the forward")
+        if layout is not None and layout.offload is not None:  # rows loaded on the host
             offload.refresh_stale(state.params, "before the forward")
-            offload.before_forward()
 
 
 # The file of ``nn.Module.__call__``: a frame Dynamo compiles from there is a module's own call.

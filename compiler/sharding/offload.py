@@ -15,8 +15,9 @@ device keeps only what the compiled graphs read, each parameter's flat shard. Pe
   visible parameters' ``.grad`` (adding when one is there).
 - ``optimizer.step()`` runs on the host (torch's CPU AdamW, ``foreach``); a global step
   post-hook (``after_optimizer_step``) copies the updated rows into the device shards, on a
-  side stream on CUDA, which the next forward's stream waits for (``before_forward``): the
-  copy overlaps whatever the host does between the step and the next forward.
+  side stream on CUDA, and makes the compute stream wait for that stream there: the host
+  goes on at once, and whatever the compute stream runs next (the next forward, however the
+  model is called) reads the new rows.
 - a load (``load_state_dict``, DCP's ``set_model_state_dict`` or its in-place ``dcp.load``)
   writes the host rows; the forward pre-hook copies what changed to the device
   (``refresh_stale``, by version counters as ``zeroc.sharding.whole_rows`` does).
@@ -34,10 +35,10 @@ from typing import Any
 import torch
 
 from zeroc.runtime.torch_compat import FakeTensor
-from zeroc.sharding.sharded_params import ShardedParam, sharded_of
+from zeroc.sharding.sharded_params import ShardedParam, ensure_step_hook, sharded_of
 
-__all__ = ["OFFLOADS", "after_optimizer_step", "before_forward", "check_offload",
-           "ensure_step_hook", "install_hooks", "make_host_rows", "offload_rows",
+__all__ = ["OFFLOADS", "after_optimizer_step", "check_offload",
+           "install_hooks", "make_host_rows", "offload_rows",
            "refresh_stale", "stash_grad"]
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def install_hooks(model: torch.nn.Module) -> None:
     pre-hook (rows loaded on the host to the device; the forward waits for the copies)."""
     from zeroc.sharding.sharded_params import state_of
 
-    ensure_step_hook()
+    ensure_step_hook(after_optimizer_step)
 
     def after_load(module: torch.nn.Module, incompatible: Any) -> None:
         state = state_of(module)
@@ -106,7 +107,6 @@ class _Pending:
 
 _PENDING = _Pending()
 _SIDE_STREAMS: dict[Any, Any] = {}
-_COPIES: list[Any] = []  # CUDA events of host-to-device copies the next forward waits for
 
 
 def _streams(tensor: torch.Tensor) -> bool:
@@ -162,18 +162,9 @@ def _push(params: Iterable[ShardedParam]) -> int:
                 device_rows.copy_(sharded.host)
         sharded.rows_version = sharded.rows_stamp()
         pushed += 1
-    if stream is not None:
-        event = torch.cuda.Event()
-        event.record(stream)
-        _COPIES.append(event)
+    if stream is not None:  # the compute stream's next work reads the copied rows
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
     return pushed
-
-
-def before_forward() -> None:
-    """The current stream waits for the host-to-device copies issued since the last forward
-    (on CUDA; nothing to wait for on the CPU)."""
-    while _COPIES:
-        torch.cuda.current_stream().wait_event(_COPIES.pop())  # only made on real CUDA
 
 
 def after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -191,13 +182,3 @@ def refresh_stale(params: Iterable[ShardedParam], why: str) -> int:
         _push(stale)
     return len(stale)
 
-
-_STEP_HOOK: list[Any] = []
-
-
-def ensure_step_hook() -> None:
-    """Register ``after_optimizer_step`` once for every optimizer of this process."""
-    if not _STEP_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK.append(register_optimizer_step_post_hook(after_optimizer_step))

@@ -83,12 +83,13 @@ from zeroc.sharding.sharded_params import (
     ShardedParam,
     UnshardSpec,
     ZeroState,
+    ensure_step_hook,
     finish_modules,
     install,
     set_requires_gradient_sync,
 )
 from zeroc.sharding.stage_holding import FLAT_SHARDED_ATTR, install_state_dict_hooks
-from zeroc.sharding.whole_rows import ensure_step_hook, refresh_after_load
+from zeroc.sharding.whole_rows import after_optimizer_step, refresh_after_load
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
 
@@ -295,7 +296,7 @@ def parallelize(
     if offload is not None:
         install_offload_hooks(model)
     if zero == 1:
-        ensure_step_hook()
+        ensure_step_hook(after_optimizer_step)
         model.register_load_state_dict_post_hook(refresh_after_load)
     if mesh_.pp > 1:
         from zeroc.sharding.pipeline_clip import register

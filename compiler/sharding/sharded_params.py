@@ -373,6 +373,18 @@ def set_requires_gradient_sync(state: ZeroState, requires_gradient_sync: bool) -
             sharded.open_sink()
 
 
+_STEP_HOOKS: dict[Any, Any] = {}
+
+
+def ensure_step_hook(hook: Any) -> None:
+    """Register ``hook`` as a global optimizer-step post-hook, once per process (ZeRO-1's
+    row gather, optimizer offload's copy to the device)."""
+    if hook not in _STEP_HOOKS:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOKS[hook] = register_optimizer_step_post_hook(hook)
+
+
 def sharded_of(param: torch.Tensor) -> ShardedParam | None:
     """The ``ShardedParam`` behind a visible parameter, if it is one."""
     return getattr(param, SHARDED_ATTR, None)

@@ -30,7 +30,7 @@ import torch
 from zeroc.runtime.torch_compat import all_gather_single
 from zeroc.sharding.sharded_params import ShardedParam, sharded_of, state_of
 
-__all__ = ["after_optimizer_step", "ensure_step_hook", "refresh_after_load", "refresh_stale"]
+__all__ = ["after_optimizer_step", "refresh_after_load", "refresh_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,3 @@ def refresh_after_load(module: torch.nn.Module, incompatible: Any) -> None:
     if state is not None:
         refresh_stale(state.params, "a state dict was loaded")
 
-
-_STEP_HOOK: list[Any] = []
-
-
-def ensure_step_hook() -> None:
-    """Register ``after_optimizer_step`` once for every optimizer of this process."""
-    if not _STEP_HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK.append(register_optimizer_step_post_hook(after_optimizer_step))
