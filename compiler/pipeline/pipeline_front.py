@@ -188,15 +188,26 @@ def op_namespace(target: Any) -> str | None:
     return target.namespace if isinstance(target, OpOverload) else None
 
 
+def _group_name_arg(node: torch.fx.Node) -> str:
+    """The process group ``node`` names: its op's ``group_name`` argument ("" if none, or
+    for an op outside ``GROUP_NAMESPACES``). Other string arguments (a loss's ``reduction``,
+    a reduce-scatter's ``reduce_op``) are not groups."""
+    target = getattr(node.target, "default", node.target)  # a packet: its one overload
+    schema = getattr(target, "_schema", None)
+    if node.op != "call_function" or schema is None or (
+            op_namespace(node.target) not in GROUP_NAMESPACES):
+        return ""
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "group_name":
+            value = node.args[index] if index < len(node.args) else node.kwargs.get(
+                argument.name)
+            return value if isinstance(value, str) else ""
+    return ""
+
+
 def _names_a_group(split: StageSplit) -> bool:
     """Whether a stage graph still calls an op that takes a process group's name."""
-    for spec in split.stages:
-        for node in spec.gm.graph.nodes:
-            namespace = op_namespace(node.target)
-            if node.op == "call_function" and namespace in GROUP_NAMESPACES and any(
-                    isinstance(a, str) for a in (*node.args, *node.kwargs.values())):
-                return True
-    return False
+    return any(_group_name_arg(node) for spec in split.stages for node in spec.gm.graph.nodes)
 
 
 def front_is_shared(dynamic_gm: torch.fx.GraphModule, shared: SharedPlanning | None) -> bool:
