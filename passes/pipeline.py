@@ -15,6 +15,7 @@ from zeroc.passes.loss_normalization import normalize_loss
 from zeroc.passes.loss_output import keep_loss_output
 from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.noop_views import remove_noop_views
+from zeroc.passes.secondary_shard import cut_secondary_shards
 from zeroc.passes.specialize_shapes import specialize, specialize_outputs
 from zeroc.passes.split_stages import split_stages
 from zeroc.passes.zero import lower_zero
@@ -56,6 +57,7 @@ STAGE_PASSES = (
 # On the joint forward+backward graph, before it is partitioned.
 JOINT_PASSES = (
     tag_zero_recompute,
+    cut_secondary_shards,
     tag_activation_recompute,
 )
 

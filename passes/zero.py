@@ -31,6 +31,10 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
   with error feedback (``zeroc::quantize_grad_rows``), row r goes to rank r by one
   ``all_to_all_single`` (on every backend), and ``zeroc::dequantize_sum_mean`` sums the
   received rows in float32 and averages them (``zeroc.runtime.reduce_quant``).
+- hpZ (``secondary_shard=k``, ``zeroc.passes.secondary_shard``): a forward's
+  ``unshard(secondary_shard(w))`` is folded to ``w``; the backward's gathers of the secondary
+  pieces run over their group of ``k`` ranks like any gather, bucketed by group, and are never
+  quantized (they stay inside the node).
 
 Each bucket is published to ``ctx.collectives`` (parameters, bytes, issue and wait points).
 """
@@ -48,6 +52,7 @@ import torch.fx
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard / reduce_grad)
 from zeroc.passes.base import PassContext, PassResult
+from zeroc.passes.node_builder import NodeBuilder
 from zeroc.runtime.collectives import (
     ROWS_SUM_MEAN,
     collective_bytes,
@@ -64,7 +69,7 @@ from zeroc.runtime.reduce_quant import (
     residual_key,
 )
 from zeroc.runtime.reduce_quant import worth_quantizing as worth_reducing_quantized
-from zeroc.runtime.torch_compat import detect_fake_mode
+from zeroc.runtime.secondary_shard import SECONDARY_SHARD, secondary_groups
 from zeroc.runtime.zero_ops import WHOLE_FROM_SHARD, WHOLE_STAGES, group_size
 
 aten = torch.ops.aten
@@ -115,22 +120,6 @@ def gather_dtype(mark: torch.fx.Node) -> torch.dtype:
     return param_dtype or mark.args[0].meta["val"].dtype
 
 
-class _Builder:
-    """Adds nodes to a graph and gives each its fake value, so later passes see metadata."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.graph = gm.graph
-        values = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        self.fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-
-    def call(self, target: Any, *args: Any) -> torch.fx.Node:
-        node = self.graph.call_function(target, args)
-        vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*vals)
-        return node
-
-
 # Reductions in flight at once: a bucket is waited before the next-but-one is issued, so the
 # packed full-size gradients of at most this many buckets are alive together.
 REDUCES_IN_FLIGHT = 2
@@ -156,7 +145,8 @@ def _grad_param_names(gm: torch.fx.GraphModule, names: dict[str, str]) -> dict:
     return found
 
 
-def _param_name(node: torch.fx.Node, names: dict[str, str]) -> str:
+def param_name(node: torch.fx.Node, names: dict[str, str]) -> str:
+    """The parameter an unshard reads: its shard argument traced back to a placeholder."""
     source = node.args[0]
     while isinstance(source, torch.fx.Node) and source.op != "placeholder" and source.args:
         source = source.args[0]
@@ -197,13 +187,13 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
     buckets = _buckets(
         sorted(marks, key=lambda n: n.meta["_zeroc_first_use"]),
         key=lambda n: (n.args[3], n.args[4], gather_dtype(n),
-                       module_unit(_param_name(n, names))),
+                       module_unit(param_name(n, names))),
         size=lambda n: n.args[0].meta["val"].numel() * gather_dtype(n).itemsize
         * group_size(n.args[3]),
         cap=cap,
     )
     buckets.sort(key=lambda b: min(n.meta["_zeroc_first_use"] for n in b.nodes))
-    build = _Builder(gm)
+    build = NodeBuilder(gm)
     for index, bucket in enumerate(buckets):
         group_name = bucket.key[0]
         dp = group_size(group_name)
@@ -212,13 +202,15 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
         issue_at = nodes[min(n.meta["_zeroc_first_use"] for n in early.nodes)]
         shards = [n.args[0] for n in bucket.nodes]
         # Named before the marks are erased below.
-        bucket_params = tuple(_param_name(n, names) for n in bucket.nodes)
+        bucket_params = tuple(param_name(n, names) for n in bucket.nodes)
         # The shards must exist where the gather is issued: hoist what computes them from
         # the inputs (e.g. the bf16 cast of a shard) up to the issue point.
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         for shard in shards:
             _hoist(shard, issue_at, position)
-        quantized = ctx.config.gather_quant == "int8" and worth_quantizing(
+        # hpZ's node-local re-gathers stay exact: they never cross the slow link.
+        quantized = ctx.config.gather_quant == "int8" and group_name not in (
+            secondary_groups()) and worth_quantizing(
             sum(s.meta["val"].numel() for s in shards), bucket.key[2])
         with gm.graph.inserting_before(issue_at):
             if quantized:  # the bucket as int8 blocks + scales, from the exact shards
@@ -269,7 +261,7 @@ def _merge_tied_reductions(gm: torch.fx.GraphModule) -> int:
     """``reduce_grad(a) + reduce_grad(b)`` -> ``reduce_grad(a + b)``: one reduction per tied
     parameter (an embedding shared with the head) instead of one per use. Exact: the
     reduction is linear."""
-    build = _Builder(gm)
+    build = NodeBuilder(gm)
     merged = 0
     for node in list(gm.graph.nodes):
         if node.target is not aten.add.Tensor or len(node.args) != 2:
@@ -312,7 +304,7 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
         joinable=lambda b, n: _order(n) < min(first_user(m) for m in b.nodes),
     )
     nodes = list(gm.graph.nodes)
-    build = _Builder(gm)
+    build = NodeBuilder(gm)
     issued_buckets = []
     for bucket in buckets:
         group_name, stage = bucket.key[0], bucket.key[1]
@@ -405,7 +397,7 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
 def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
     """Stages 0 and 1 (or a group of one) keep whole flat parameters: unshard is a view, no
     copy."""
-    build = _Builder(gm)
+    build = NodeBuilder(gm)
     lowered = 0
     for mark in [n for n in gm.graph.nodes if n.target is UNSHARD]:
         if mark.args[4] not in WHOLE_STAGES and group_size(mark.args[3]) > 1:
@@ -425,8 +417,23 @@ def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
     return lowered
 
 
+def _fold_secondary_regathers(gm: torch.fx.GraphModule) -> int:
+    """hpZ (``zeroc.passes.secondary_shard``): where a weight's secondary piece and its
+    re-gather are in one graph (the forward), the re-gather is the weight the piece was cut
+    from; read it instead of gathering it back."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        piece = node.args[0] if node.target is UNSHARD else None
+        if isinstance(piece, torch.fx.Node) and piece.target is SECONDARY_SHARD:
+            node.replace_all_uses_with(piece.args[0])
+            gm.graph.erase_node(node)
+            folded += 1
+    return folded
+
+
 def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace ZeRO markers with bucketed, prefetched functional collectives."""
+    folded = _fold_secondary_regathers(gm)
     views = _lower_whole_unshards(gm)
     tied = _merge_tied_reductions(gm)
     for order, node in enumerate(gm.graph.nodes):
@@ -439,6 +446,8 @@ def lower_zero(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     for node in gm.graph.nodes:
         node.meta.pop("_zeroc_order", None)
         node.meta.pop("_zeroc_first_use", None)
-    return PassResult(gm, bool(gathers or reduces or views or tied),
-                      {"gather_buckets": gathers, "reduce_buckets": reduces,
-                       "whole_params": views, "tied_merged": tied})
+    stats = {"gather_buckets": gathers, "reduce_buckets": reduces, "whole_params": views,
+             "tied_merged": tied}
+    if folded:
+        stats["secondary_folded"] = folded
+    return PassResult(gm, bool(gathers or reduces or views or tied or folded), stats)

@@ -184,36 +184,43 @@ def test_a_slow_link_makes_quantized_collectives_candidates_the_screen_prefers()
     """On a profile whose inter-node link is slow (10 Gbit/s), a 16-rank data-parallel job
     spanning two nodes gets quantized candidates (int8 gathers, int4 reductions), the screen
     ranks them faster than the exact layout, the table names them, and ``search`` forbids
-    them; on the stock profile (400 Gbit/s) they are not default candidates."""
+    them; on the stock profile (400 Gbit/s) they are not default candidates. hpZ with one
+    node's 8 devices is a candidate on both (the ranks span nodes), and the screen ranks it
+    faster still: the backward's gathers stay inside the node."""
     from zeroc.tuning.tune_result import Trial, TuneResult
     from zeroc.tuning.tune_space import slow_link
+
+    def key(c: Candidate) -> tuple:
+        o = c.options_dict()
+        return o.get("gather_quant"), o.get("reduce_quant"), o.get("secondary_shard")
 
     fast = get_profile("h100-sxm")
     slow = get_profile({**fast.to_dict(), "name": "slow", "inter_node_bytes_per_s": 1.25e9})
     assert slow_link(16, 1, slow) and not slow_link(16, 1, fast) and not slow_link(8, 1, slow)
     search = {"pp": [1], "zero": [3], "fused_loss": [True], "partitioner": ["min_cut"],
               "prefetch": [1]}
-    exact = candidates(16, 16, search, fast)
-    assert [c.options_dict().get("gather_quant") for c in exact] == [None]
+    assert [key(c) for c in candidates(16, 16, search, fast)] == [(None, None, None),
+                                                                  (None, None, 8)]
+    assert [key(c) for c in candidates(8, 16, search, fast)] == [(None, None, None)]
     space = candidates(16, 16, search, slow)
-    quant = {(c.options_dict().get("gather_quant"), c.options_dict().get("reduce_quant"))
-             for c in space}
-    assert quant == {(None, None), ("int8", None), (None, "int4"), ("int8", "int4")}
-    assert space[0].options_dict().get("gather_quant") is None  # exact first
-    forbidden = candidates(16, 16, {**search, "gather_quant": [None], "reduce_quant": [None]},
-                           slow)
-    assert [c.options_dict().get("reduce_quant") for c in forbidden] == [None]
+    assert {key(c) for c in space} == {(g, r, k) for g in (None, "int8") for r in (None, "int4")
+                                       for k in (None, 8)}
+    assert key(space[0]) == (None, None, None)  # exact first
+    forbidden = candidates(16, 16, {**search, "gather_quant": [None], "reduce_quant": [None],
+                                    "secondary_shard": [None]}, slow)
+    assert [key(c) for c in forbidden] == [(None, None, None)]
     model = _llama(layers=4, hidden=512, ffn=1376, heads=8, kv_heads=8, vocab=8000, seq=256)
     tokens = torch.zeros(16, 256, dtype=torch.long)
     profile = profile_model(model, {"input_ids": tokens, "labels": tokens}, "cuda")
     steps = {c: screen(profile, c, 16, slow).step_s for c in space}
-    both = next(c for c in space if c.options_dict().get("gather_quant")
-                and c.options_dict().get("reduce_quant"))
-    assert min(steps, key=steps.get) == both
+    both = next(c for c in space if key(c) == ("int8", "int4", None))
     assert steps[both] < 0.8 * steps[space[0]]
+    assert min(steps, key=steps.get) == next(c for c in space if key(c) == ("int8", "int4", 8))
+    assert steps[next(c for c in space if key(c) == (None, None, 8))] < steps[space[0]]
     table = TuneResult(both, tuple(Trial(c, estimated_s=s) for c, s in steps.items()),
                        False, "").table()
     assert "gather_quant=int8" in table and "reduce_quant=int4" in table
+    assert "secondary_shard=8" in table
 
 
 @pytest.mark.timeout(600)

@@ -46,7 +46,7 @@ def zeroc_backend(
     drop_captured_groups()
     try:
         config = Config.build(mode, _with_tuned_options(example_inputs, options))
-        _check_quantization(example_inputs, config)
+        check_layout_options(example_inputs, config)
         session = session_for(find_compile_wrapper(), config)
         # A parameter added after parallelize, or an unseen requires_grad change: see there.
         check_graph_parameters([source_name(n) for n in gm.graph.find_nodes(op="placeholder")],
@@ -81,6 +81,13 @@ def _with_tuned_options(example_inputs: list[Any], options: Mapping[str, Any] | 
     return {**dict(tuned), **dict(options or {})}
 
 
+def check_layout_options(example_inputs: list[Any], config: Config) -> None:
+    """Refuse the options that need a model parallelized a certain way (quantized
+    collectives, hpZ) when the compiled graph's model is not: they would change nothing."""
+    _check_quantization(example_inputs, config)
+    _check_secondary_shard(example_inputs, config)
+
+
 def _check_quantization(example_inputs: list[Any], config: Config) -> None:
     """Refuse ``gather_quant`` / ``reduce_quant`` for a model whose graphs run no such
     collective, and ``reduce_quant`` where its error feedback could not be kept per stage."""
@@ -108,6 +115,30 @@ def _check_quantization(example_inputs: list[Any], config: Config) -> None:
             "with pp_reshard=False (the default: gradients reduced once per step), not with "
             "pp_reshard=True, whose stage graphs may be shared between stages and so cannot "
             "keep each stage's error-feedback residual")
+
+
+def _check_secondary_shard(example_inputs: list[Any], config: Config) -> None:
+    """Refuse ``secondary_shard`` (hpZ) where the backward re-gathers no weight over a
+    data-parallel group it can split: only ZeRO-3 at pp=1 does, over ``dp`` ranks that
+    ``k`` divides."""
+    k = config.secondary_shard
+    if k is None or not any(isinstance(v, torch.nn.Parameter) for v in example_inputs):
+        return
+    layout = next((v._zeroc_layout for v in example_inputs
+                   if hasattr(v, "_zeroc_layout")), None)
+    where = ("this model was not parallelized" if layout is None else
+             f"this model was parallelized with zero={layout.zero}, pp={layout.pp}")
+    if layout is None or layout.zero != 3 or layout.pp != 1:
+        raise OptionError(
+            f"zeroc: option secondary_shard={k!r} splits the backward's re-gathers of ZeRO-3 "
+            f"at pp=1 (a pipeline gathers each stage's weights once per step), and {where}; "
+            "parallelize with zeroc.parallelize(model, zero=3) or leave the option out")
+    if layout.dp % k or k >= layout.dp:
+        allowed = [d for d in range(2, layout.dp) if layout.dp % d == 0]
+        raise OptionError(
+            f"zeroc: option secondary_shard={k!r} must divide the data-parallel size "
+            f"{layout.dp} and be smaller than it (allowed: {allowed or 'none'}): the "
+            "backward re-gathers inside groups of that many ranks")
 
 
 _WARNED: set[str] = set()

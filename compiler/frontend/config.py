@@ -26,6 +26,7 @@ SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 MAX_BUCKET_MB = 1 << 20
 MAX_PREFETCH = 4096
 MAX_MICROBATCHES = 1 << 16
+MAX_SECONDARY_SHARD = 1 << 16  # ranks in an hpZ group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,13 @@ class Config:
         gradient, at the cost of a float32 residual of the gradients on every rank
         (``zeroc.runtime.reduce_quant``). ``zero=0`` (all-reduce) refuses it, and so does a
         pipeline with ``pp_reshard=True``.
+    secondary_shard: ``None`` (default) or ``k``: ZeRO++'s hpZ for ZeRO-3 at pp=1. Each
+        rank keeps, from the forward's gather, its ``1/k`` piece of every weight (groups of
+        ``k`` consecutive data-parallel ranks: a node), and the backward re-gathers the weights
+        inside its group instead of over the whole data-parallel group
+        (``zeroc.runtime.secondary_shard``); ``k`` must divide the data-parallel size and be
+        smaller than it. Costs ``1/k`` of the weights (in the gather dtype) held from the
+        forward to the backward.
     schedule: the pipeline schedule when the model was parallelized with pp > 1: one of
         ``SCHEDULES`` ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev").
     microbatches: micro-batches per step with pp > 1; ``None`` picks the number of stages, or
@@ -121,6 +129,7 @@ class Config:
     prefetch: int = 1
     gather_quant: str | None = None
     reduce_quant: str | None = None
+    secondary_shard: int | None = None
     schedule: str = "1f1b"
     microbatches: int | None = None
     split_points: tuple[str, ...] | None = None
@@ -246,6 +255,13 @@ def _check(key: str, value: Any) -> Any:
         if value not in LOSS_REDUCTIONS:
             raise OptionError(f"zeroc: option loss_reduction={value!r} is not allowed; "
                               f"allowed: {list(LOSS_REDUCTIONS)}")
+        return value
+    if key == "secondary_shard":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 2 <= value <= MAX_SECONDARY_SHARD):
+            raise OptionError(f"zeroc: option secondary_shard={value!r} must be None or the "
+                              f"ranks of a group (a node), an integer in [2, "
+                              f"{MAX_SECONDARY_SHARD}] dividing the data-parallel size")
         return value
     if key == "prefetch":
         if isinstance(value, bool) or not isinstance(value, int) or not (

@@ -24,6 +24,7 @@ from zeroc.runtime.plan.records import (
     StageInfo,
 )
 from zeroc.runtime.program import ProgramRecord, frozen_mapping
+from zeroc.runtime.secondary_shard import secondary_groups
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.tune_cache import layout_match
 
@@ -178,10 +179,12 @@ def _unique_kernels(kernels: list[KernelInfo]) -> tuple[KernelInfo, ...]:
 
 def _with_mesh_dims(collectives: tuple[CollectiveInfo, ...],
                     layout: ZeroLayout | None) -> tuple[CollectiveInfo, ...]:
-    """``collectives`` with the mesh dimension ("dp", "pp") whose group runs each."""
+    """``collectives`` with the mesh dimension ("dp", "pp") whose group runs each; hpZ's
+    groups of ``secondary_shard`` data-parallel ranks are "node"."""
     if layout is None:
         return collectives
-    names = {layout.mesh.dp_group_name: "dp", layout.mesh.pp_group_name: "pp"}
+    names = {layout.mesh.dp_group_name: "dp", layout.mesh.pp_group_name: "pp",
+             **dict.fromkeys(secondary_groups(), "node")}
     names.pop("", None)
     return tuple(dataclasses.replace(c, mesh_dim=names[c.group])
                  if c.group in names and not c.mesh_dim else c for c in collectives)

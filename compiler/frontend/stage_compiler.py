@@ -32,9 +32,11 @@ from zeroc.frontend.config import Config
 from zeroc.frontend.session import CompiledGraph
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
+from zeroc.passes.secondary_shard import keep_read_secondary_shards
 from zeroc.runtime.consistency import check_same_graph
 from zeroc.runtime.cost.cost import graph_info, tensor_bytes
 from zeroc.runtime.plan.records import PassInfo
+from zeroc.runtime.secondary_shard import SECONDARY_SHARD, comparable_text
 from zeroc.runtime.torch_compat import default_partition, min_cut_rematerialization_partition
 from zeroc.runtime.world import PlannedWorld
 
@@ -138,7 +140,8 @@ class StageCompiler:
     def joint(self, joint: torch.fx.GraphModule, keep_graph: bool) -> torch.fx.GraphModule:
         """The joint passes on the joint forward+backward graph; ``keep_graph``: the plan
         shows the joint graph (pp = 1's one joint graph per record)."""
-        joint, _, _ = self._run(joint, "joint", JOINT_PASSES, {})
+        joint, _, _ = self._run(joint, "joint", JOINT_PASSES,
+                                {"input_names": self.input_names})
         if keep_graph:
             name = f"{self.name}.joint"
             self.record.joint = graph_info(joint, name, "joint", graph_text(joint), self.timed)
@@ -147,8 +150,24 @@ class StageCompiler:
     def partition(self, joint: torch.fx.GraphModule, joint_inputs: Any, *,
                   num_fwd_outputs: int, **kwargs: Any
                   ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        """Forward and backward graphs of ``joint`` by ``config.partitioner``."""
+        """Forward and backward graphs of ``joint`` by ``config.partitioner``.
+
+        With hpZ pieces in ``joint`` (``secondary_shard``), a first partition tells which
+        weights the backward re-gathers; the pieces of the others are dropped
+        (``keep_read_secondary_shards``) before the partition that is kept."""
         self.num_fwd_outputs = num_fwd_outputs
+        if joint.graph.find_nodes(op="call_function", target=SECONDARY_SHARD):
+            _, trial = self._partition(joint, joint_inputs, num_fwd_outputs, dict(kwargs))
+            joint, _, _ = self._run(joint, "joint", (keep_read_secondary_shards,),
+                                    {"backward": trial, "input_names": self.input_names})
+            if self.record.joint is not None and self.record.joint.name == f"{self.name}.joint":
+                self.record.joint = graph_info(joint, self.record.joint.name, "joint",
+                                               graph_text(joint), self.timed)
+        return self._partition(joint, joint_inputs, num_fwd_outputs, kwargs)
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs: Any,
+                   num_fwd_outputs: int, kwargs: dict[str, Any]
+                   ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         if self.config.partitioner == "min_cut":
             return min_cut_rematerialization_partition(
                 joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -175,7 +194,7 @@ class StageCompiler:
         # The data-parallel ranks compiled it alike, or all of them raise. A planned world's
         # one program stands for every rank: there is nothing to compare.
         if self.planned is None:
-            check_same_graph(name, text, group, self.device)
+            check_same_graph(name, comparable_text(text), group, self.device)
         self.record.graphs.append(graph_info(graph, name, kind, text, self.timed))
         self.record.kernels.extend(ctx.kernels)
         self.record.collectives.extend(ctx.collectives)

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 TUNE_FORMAT = 2
 # The compile options a tuned layout may carry: the tuner's search axes but zero and pp.
 TUNABLE_OPTIONS = ("schedule", "microbatches", "bucket_mb", "prefetch", "fused_loss",
-                   "partitioner", "gather_quant", "reduce_quant")
+                   "partitioner", "gather_quant", "reduce_quant", "secondary_shard")
 _TRIAL_FIELDS = ("candidate", "estimated_s", "peak_bytes", "measured_s", "rejected")
 _MAX_SECONDS = 1e6
 _MATCHED_ATTR = "_zeroc_tuned_inputs_match"  # on a ZeroLayout: the first compile's verdict

@@ -41,6 +41,9 @@ and plans in full only the best few. The screen models, per candidate:
 - **quantized collectives** (``gather_quant``, ``reduce_quant``): the collective's time scaled
   by the bytes it moves per fp32 byte (``QUANT_WIRE``: 0.254 for int8, 0.129 for int4), plus a
   quantize and dequantize pass over the rank's parameters at memory bandwidth.
+- **hpZ** (``secondary_shard=k``, ZeRO-3 at pp=1): the backward's gather runs over ``k``
+  ranks on the node's link instead of the data-parallel group's; the pieces the forward
+  keeps for it (``1/k`` of the parameters) are held through the step.
 
 The screen is a model of what a plan would find, not a plan: the tuner plans the winners in
 full (``zeroc.world.world_plan``) and ranks them by their plans.
@@ -156,16 +159,18 @@ def state_bytes(params: int, zero: int, dp: int) -> int:
 
 
 def _zero_collectives_s(params: int, zero: int, dp: int, piped: bool, hardware: Any,
-                        inter_node: bool) -> tuple[float, float]:
-    """(gather seconds, reduction seconds) of one step's ZeRO collectives over ``params``."""
+                        inter_node: bool, secondary: int = 0) -> tuple[float, float]:
+    """(gather seconds, reduction seconds) of one step's ZeRO collectives over ``params``;
+    ``secondary``: hpZ's group size (the backward gathers over it, inside a node)."""
     if dp == 1:
         return 0.0, 0.0
     if zero == 0:
         return 0.0, estimate_collective_s("all_reduce", params, dp, hardware, inter_node)
     gather = estimate_collective_s("all_gather", params, dp, hardware, inter_node)
     reduce = estimate_collective_s("reduce_scatter", params, dp, hardware, inter_node)
-    if zero == 3 and not piped:
-        gather *= 2  # gathered again for the backward
+    if zero == 3 and not piped:  # gathered again for the backward
+        gather += estimate_collective_s("all_gather", params, secondary, hardware, False) \
+            if secondary else gather
     return gather, reduce
 
 
@@ -260,8 +265,9 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
     for rank in range(pp):
         mine = _placement(schedule, rank, stage_count)
         params = sum(stages[s].params for s in mine)
+        secondary = int(options.get("secondary_shard") or 0)
         gather_s, reduce_s = _zero_collectives_s(params, zero, dp, pp > 1, hardware,
-                                                 inter_node)
+                                                 inter_node, secondary)
         quant_s = 0.0
         for key, kind in (("gather_quant", "gather"), ("reduce_quant", "reduce")):
             if options.get(key) and dp > 1:
@@ -289,6 +295,7 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
         if zero == 3 and pp == 1:
             gathered = max(stages[s].largest_param_op for s in mine) * (
                 1 + int(options.get("prefetch", 1) or 0))
+            gathered += params // secondary if secondary else 0  # hpZ's pieces
         elif zero >= 2:  # the whole step's parameters; a pipeline's summed full gradients
             gathered = params * (2 if pp > 1 else 1)
         state = state_bytes(params, zero, dp)

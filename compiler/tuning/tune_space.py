@@ -10,9 +10,11 @@ Quantized collectives (``gather_quant`` for ZeRO-2/3, ``reduce_quant`` for ZeRO-
 the numbers within their error bounds, so they are candidates by default only where the
 data-parallel link is slow (``slow_link``: ``tune`` decides from the hardware profile, see
 ``SLOW_LINK_BYTES_PER_S``); ``search={"gather_quant": [None, "int8"]}`` allows them anywhere,
-``[None]`` forbids them. Optimizer offload (``search={"offload": [None, "optimizer"]}``) is
-not a default candidate: ``tune`` tries it (``offload_variants``) only when no layout fits the
-device without it.
+``[None]`` forbids them. hpZ (``secondary_shard``, ZeRO-3 at pp=1) is a default candidate,
+with groups of one node's devices, where the data-parallel ranks span nodes: the backward's
+gathers then stay inside the node. Optimizer offload
+(``search={"offload": [None, "optimizer"]}``) is not a default candidate: ``tune`` tries it
+(``offload_variants``) only when no layout fits the device without it.
 
 ``model_key`` hashes the module classes, parameter names, shapes and dtypes and the example
 inputs' shapes (what decides the compiled graphs): the tune cache (``zeroc.sharding.tune_cache``)
@@ -35,7 +37,7 @@ __all__ = ["Candidate", "SEARCH_AXES", "SLOW_LINK_BYTES_PER_S", "candidates", "m
 log = logging.getLogger(__name__)
 
 SEARCH_AXES = ("zero", "pp", "schedule", "microbatches", "bucket_mb", "prefetch", "fused_loss",
-               "partitioner", "gather_quant", "reduce_quant", "offload")
+               "partitioner", "gather_quant", "reduce_quant", "secondary_shard", "offload")
 # A data-parallel link at most this fast (bytes per second per device: 100 Gbit/s) makes the
 # quantized collectives default candidates.
 SLOW_LINK_BYTES_PER_S = 12.5e9
@@ -64,6 +66,20 @@ def _quantized(search: dict[str, Any], zero: int, slow: bool) -> list[dict[str, 
         if zero >= 1 else [None]
     return [{k: v for k, v in (("gather_quant", g), ("reduce_quant", r)) if v is not None}
             for g in gathers for r in reduces]
+
+
+def _secondary_shards(search: dict[str, Any], zero: int, pp: int, dp: int,
+                      hardware: Any) -> list[int | None]:
+    """hpZ's group sizes for a layout: ``search["secondary_shard"]``, by default the devices
+    of a node where ZeRO-3's data-parallel ranks span nodes (none first); only values that
+    divide ``dp`` and are smaller than it, and only for ZeRO-3 at pp=1."""
+    per_node = getattr(hardware, "devices_per_node", 0) if hardware is not None else 0
+    spans = zero == 3 and pp == 1 and per_node and dp > per_node and dp % per_node == 0
+    wanted = _axis(search, "secondary_shard", [None, per_node] if spans else [None])
+    if zero != 3 or pp != 1:
+        return [None]
+    return list(dict.fromkeys(k if k is None or (1 < k < dp and dp % k == 0) else None
+                              for k in wanted))
 
 
 def _offloads(search: dict[str, Any], zero: int, pp: int) -> list[str | None]:
@@ -132,10 +148,14 @@ def candidates(world: int, batch: int, search: dict[str, Any] | None = None,
                                     if pp > 1:
                                         options["schedule"] = schedule
                                         options["microbatches"] = microbatches
+                                    hpz = [{"secondary_shard": k} if k else {} for k in
+                                           _secondary_shards(search, zero, pp, dp, hardware)]
                                     for quant in quantized:
-                                        for offload in _offloads(search, zero, pp):
-                                            found.append(Candidate(zero, pp, tuple(sorted(
-                                                {**options, **quant}.items())), offload))
+                                        for secondary in hpz:
+                                            for offload in _offloads(search, zero, pp):
+                                                found.append(Candidate(zero, pp, tuple(sorted(
+                                                    {**options, **quant,
+                                                     **secondary}.items())), offload))
     if not found:
         raise OptionError(f"zeroc.tune: no candidate for world={world} and batch={batch} "
                           f"with search={search!r} (micro-batches must divide the batch)")

@@ -240,9 +240,10 @@ class SharedTrace:
         else:
             gm = _renamed_groups(self.gm, groups)
             gm.meta[SHARED_TRACE_META] = self.gm  # positions find the front they share by it
-        from zeroc.frontend.backend import _with_tuned_options
+        from zeroc.frontend.backend import _with_tuned_options, check_layout_options
 
         config = Config.build(None, _with_tuned_options(inputs, options))
+        check_layout_options(inputs, config)
         session = CompileSession(config)
         compiled = compile_pipeline(gm, inputs, config, session, pipeline_layout_of(inputs))
 

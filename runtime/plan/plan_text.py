@@ -188,6 +188,9 @@ def _kernels(plan: Plan, max_rows: int | None) -> str:
 
 def _collectives(plan: Plan, max_rows: int | None) -> str:
     sizes = dict(plan.meta.mesh)
+    secondary = dict(plan.meta.options).get("secondary_shard", "None")
+    if secondary != "None":  # hpZ's groups, within a data-parallel group
+        sizes["node"] = f"{secondary} (hpZ: consecutive dp ranks)"
     dims = sorted({c.mesh_dim for c in plan.collectives if c.mesh_dim})
     over = ", ".join(f"{d}: {sizes[d]} ranks" if d in sizes else d for d in dims)
     return table(
