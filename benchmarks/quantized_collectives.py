@@ -18,6 +18,13 @@ last loss. ``--repeats`` interleaves the configurations; medians are reported. T
     python benchmarks/slow_link.py --rates plain,1gbit --repeats 3 --baseline exact -- \\
         python benchmarks/quantized_collectives.py --world 2 --repeats 1 --json {json}
 
+``--cross-node WORLD:PER_NODE`` instead plans ZeRO-3 for WORLD GPUs in nodes of PER_NODE
+(``zeroc.explain(world=...)``, fake CUDA, nothing run for real) in ``exact``, ``hpz`` (hpZ:
+``secondary_shard=PER_NODE``), ``gather8_reduce4`` and ``gather8_reduce4_hpz``, and prints the
+bytes one rank sends per step over groups that span nodes (the data-parallel group) and over
+groups inside a node (hpZ's), as the plan counts them. The slow-link tool shapes one link for
+every rank, so a node boundary cannot be timed here: these are counts.
+
 ``--quality STEPS`` instead trains a small GPT on a task it can learn (each sequence counts
 up from a random token by a stride drawn from 1-4, so the next token is predictable after
 two) for STEPS steps in ``exact`` and ``gather8_reduce4`` on the same batches, and prints
@@ -51,6 +58,7 @@ CONFIGS = {
     "gather8_reduce4": {"gather_quant": "int8", "reduce_quant": "int4"},
 }
 MODELS = ("gpt", "llama")
+CROSS_NODE_CONFIGS = ("exact", "hpz", "gather8_reduce4", "gather8_reduce4_hpz")
 
 
 class LossOf(torch.nn.Module):
@@ -138,6 +146,31 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     return {"quality": out, "steps": args.quality}
 
 
+def run_cross_node(args: argparse.Namespace) -> dict[str, Any]:
+    import zeroc
+
+    world, per_node = (int(v) for v in args.cross_node.split(":"))
+    model = build_model(args.model, args.width, args.layers, args.vocab, args.seq)
+    batch = random_token_batch(args.vocab, args.seq, args.batch, None, seed=1)  # per rank
+    results, rows = {}, []
+    for config in CROSS_NODE_CONFIGS:
+        options = dict(CONFIGS[config.removesuffix("_hpz").replace("hpz", "exact")])
+        if config.endswith("hpz"):
+            options["secondary_shard"] = per_node
+        plan = zeroc.explain(model, batch, world=world, zero=3, device="cuda", options=options)
+        spans = sum(c.bytes for c in plan.collectives if c.mesh_dim == "dp") / 1e6
+        inside = sum(c.bytes for c in plan.collectives if c.mesh_dim == "node") / 1e6
+        results[config] = {"mb_across_nodes": spans, "mb_inside_node": inside,
+                           "activations_mb": plan.memory[0].activations / 1e6}
+        exact = results["exact"]["mb_across_nodes"]
+        rows.append([config, f"{spans:.2f}", f"{inside:.2f}", f"{exact / spans:.2f}x",
+                     f"{plan.memory[0].activations / 1e6:.1f}"])
+    print(tabulate(rows, headers=["config", "MB across nodes per rank per step",
+                                  "MB inside a node", "fewer across than exact",
+                                  "activations MB"], disable_numparse=True))
+    return {"cross_node": results, "world": world, "per_node": per_node}
+
+
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
     configs = args.configs.split(",")
     measured: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -185,6 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     add("--quality", type=int, default=0, metavar="STEPS",
         help="train the counting task for STEPS steps instead of timing")
+    add("--cross-node", metavar="WORLD:PER_NODE",
+        help="plan ZeRO-3 for WORLD GPUs in nodes of PER_NODE and count cross-node bytes")
     add("--timeout", type=float, default=1800, help="seconds per configuration run")
     add("--json", metavar="PATH", help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -199,7 +234,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    payload = run_quality(args) if args.quality else run_speed(args)
+    payload = (run_cross_node(args) if args.cross_node else
+               run_quality(args) if args.quality else run_speed(args))
     payload["args"] = vars(args)
     if args.json:
         with open(args.json, "w") as handle:

@@ -76,17 +76,23 @@ def secondary_padded_numel(shape: tuple[int, ...], k: int) -> int:
     return padded_numel_for(tuple(shape), k)
 
 
-# (weak world group, data-parallel group name, k) -> this rank's group's name; every group
-# name made here -> k. Forgotten when the world group is destroyed (``shutdown``).
+# (data-parallel group name, k) -> (weak world group, this rank's group's name). A name
+# belongs to the world it was made in: group names are reused by later worlds (a planned
+# world after another), so only the current world's entries are read.
 _MINE: dict[tuple[str, int], tuple[weakref.ref, str]] = {}
-_SIZES: dict[str, int] = {}
+
+
+def _current(world: weakref.ref) -> bool:
+    group = world()
+    return (group is not None and dist.is_initialized() and group is dist.group.WORLD
+            and not shutdown.is_destroyed(group))
 
 
 def _forget_destroyed() -> int:
     stale = [key for key, (world, _) in _MINE.items()
              if world() is None or shutdown.is_destroyed(world())]
     for key in stale:
-        _SIZES.pop(_MINE.pop(key)[1], None)
+        del _MINE[key]
     return len(stale)
 
 
@@ -104,9 +110,8 @@ def secondary_group(dp_group_name: str, k: int) -> str:
     if group is None:
         raise ValueError("zeroc: secondary_shard needs a data-parallel process group")
     key = (dp_group_name, k)
-    world = dist.group.WORLD
     cached = _MINE.get(key)
-    if cached is not None and cached[0]() is world:
+    if cached is not None and _current(cached[0]):
         return cached[1]
     ranks = dist.get_process_group_ranks(group)
     if len(ranks) % k or not 1 < k < len(ranks):
@@ -120,19 +125,18 @@ def secondary_group(dp_group_name: str, k: int) -> str:
     blocks = [ranks[i:i + k] for i in range(0, len(ranks), k)]
     with disable_current_modes():  # made while a graph is compiled: real groups
         mine, _ = dist.new_subgroups_by_enumeration(blocks)
-    _MINE[key] = (weakref.ref(world), mine.group_name)
-    _SIZES[mine.group_name] = k
+    _MINE[key] = (weakref.ref(dist.group.WORLD), mine.group_name)
     return mine.group_name
 
 
 def secondary_groups() -> dict[str, int]:
-    """Every secondary group name this process made -> its size ``k``."""
-    return dict(_SIZES)
+    """The name of each secondary group of this rank in the current world -> its size."""
+    return {name: k for (_, k), (world, name) in _MINE.items() if _current(world)}
 
 
 def comparable_text(text: str) -> str:
     """``text`` with each secondary group's name written ``<secondary k>``: the same on every
     rank of a data-parallel group, whose members belong to different secondary groups."""
-    for name, k in _SIZES.items():
+    for name, k in secondary_groups().items():
         text = re.sub(rf"(['\"]){re.escape(name)}\1", f"'<secondary {k}>'", text)
     return text

@@ -133,7 +133,7 @@ def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> No
     result = zeroc.tune(model, {"input_ids": tokens, "labels": tokens}, world=64,
                         device="cuda", hardware="h100-sxm", cache_dir=str(tmp_path))
     assert not result.measured and not result.from_cache
-    assert len(result.trials) == len(candidates(64, 16))
+    assert len(result.trials) == len(candidates(64, 16, hardware=get_profile("h100-sxm")))
     assert all(t.measured_s is None for t in result.trials)
     assert all(t.screened_s is not None or t.rejected for t in result.trials)
     planned = [t for t in result.trials if t.estimated_s is not None]
