@@ -64,6 +64,7 @@ from zeroc.runtime.gather_quant import (
     worth_quantizing,
 )
 from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.pipeline_zero_order import HoistedParam, ZeroOrder, buckets, zero_order
 from zeroc.runtime.plan.records import CollectiveInfo
 from zeroc.runtime.reduce_quant import (
     DEQUANTIZE_SUM_MEAN,
@@ -77,114 +78,12 @@ from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 from zeroc.runtime.zero_ops import (
     WHOLE_FROM_SHARD,
-    WHOLE_STAGES,
     group_size,
-    padded_numel_for,
 )
 
 __all__ = ["HoistedParam", "StepZero", "ZeroOrder", "zero_order"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class HoistedParam:
-    """A parameter whose ``zeroc::unshard`` was taken out of the stage graphs.
-
-    ``shape``/``numel``: the full parameter; ``zero_stage``: the op stage (0: whole
-    parameter, gradients all-reduced; 1: whole parameter, gradients reduce-scattered into
-    this rank's rows; 2, 3: sharded)."""
-
-    index: int
-    name: str
-    shape: tuple[int, ...]
-    numel: int
-    group_name: str
-    zero_stage: int
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-
-    def ranks(self) -> int:
-        """How many shards the flat buffer is cut into (1: whole)."""
-        if self.zero_stage in WHOLE_STAGES or not self.group_name:
-            return 1
-        return group_size(self.group_name)
-
-    def reduced_by(self) -> int:
-        """How many ranks' rows the gradient is reduce-scattered into (1: all-reduced)."""
-        return 1 if self.zero_stage == 0 or not self.group_name else group_size(
-            self.group_name)
-
-    def padded_numel(self) -> int:
-        """The gradient's size padded to ``reduced_by`` equal pieces of whole rows."""
-        return padded_numel_for(self.shape, self.reduced_by()) if self.shape else self.numel
-
-    def bucket_key(self, dtype: torch.dtype) -> tuple[str, int, torch.dtype]:
-        return (self.group_name, self.zero_stage, dtype)
-
-
-def _buckets(params: list[tuple[HoistedParam, torch.Tensor]], cap_bytes: float,
-             dtype_of) -> list[list[tuple[HoistedParam, torch.Tensor]]]:
-    """Consecutive runs of one (group, stage, dtype) of at most ``cap_bytes`` each."""
-    buckets: list[list[tuple[HoistedParam, torch.Tensor]]] = []
-    key, size = None, 0.0
-    for param, tensor in params:
-        dtype = dtype_of(param, tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or param.bucket_key(dtype) != key or size + nbytes > cap_bytes:
-            buckets.append([])
-            key, size = param.bucket_key(dtype), 0.0
-        buckets[-1].append((param, tensor))
-        size += nbytes
-    return buckets
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroOrder:
-    """When this rank's per-step collectives are issued, from its schedule.
-
-    ``gathers``: per stage in the order of its first forward, the hoisted parameters it
-    gathers (a parameter two stages read is gathered by the first); ``reduces``: action group
-    position -> (stage, the parameters whose gradients are complete after that group)."""
-
-    gathers: tuple[tuple[int, tuple[int, ...]], ...]
-    reduces: Mapping[int, tuple[int, tuple[int, ...]]]
-
-    def reduce_stage(self) -> dict[int, int]:
-        """Parameter -> the stage whose buckets reduce it."""
-        return {i: stage for stage, indices in self.reduces.values() for i in indices}
-
-
-def zero_order(groups: tuple[tuple[Any, ...], ...], stage_params: Mapping[int, tuple[int, ...]],
-               hoisted: Mapping[int, HoistedParam]) -> ZeroOrder:
-    """The ``ZeroOrder`` of one rank's action ``groups`` (``runtime/actions.p2p_groups``):
-    stages gather in the order of their first forward; a parameter's gradient is complete
-    after the last group that runs a B or W (an FB's backward part included) of any stage of
-    this rank reading it."""
-    first_forward: list[int] = []
-    last_backward: dict[int, int] = {}
-    for position, group in enumerate(groups):
-        for action in group:
-            for part in action.parts():
-                kind = part.kind.value
-                if kind == "F" and part.stage not in first_forward:
-                    first_forward.append(part.stage)
-                elif kind in ("B", "W"):
-                    last_backward[part.stage] = position
-    gathers, taken = [], set()
-    for stage in first_forward:
-        mine = tuple(i for i in stage_params.get(stage, ()) if i in hoisted and i not in taken)
-        taken.update(mine)
-        gathers.append((stage, mine))
-    complete: dict[int, tuple[int, int]] = {}  # parameter -> (position, stage)
-    for stage, position in last_backward.items():
-        for index in stage_params.get(stage, ()):
-            if index in hoisted:
-                complete[index] = max(complete.get(index, (-1, -1)), (position, stage))
-    reduces: dict[int, tuple[int, list[int]]] = {}
-    for index, (position, stage) in sorted(complete.items()):
-        reduces.setdefault(position, (stage, []))[1].append(index)
-    return ZeroOrder(tuple(gathers), {p: (s, tuple(i)) for p, (s, i) in sorted(reduces.items())})
 
 
 @dataclasses.dataclass
@@ -244,7 +143,7 @@ class StepZero:
                     ("gather", gather_of.get(stage, ()), lambda p, t: p.param_dtype or t.dtype),
                     ("reduce", reduce_of.get(stage, ()), lambda p, t: p.reduce_dtype or t.dtype)):
                 params = [(self.hoisted[i], inputs[i]) for i in sorted(indices)]
-                for n, bucket in enumerate(_buckets(params, self.cap, dtype_of)):
+                for n, bucket in enumerate(buckets(params, self.cap, dtype_of)):
                     first, ranks = bucket[0][0], bucket[0][0].ranks()
                     dtype = dtype_of(*bucket[0])
                     size = torch.empty((), dtype=dtype).element_size()
@@ -296,7 +195,7 @@ class StepZero:
         self._queue, self._issued = [], 0
         for stage, indices in self.orders[train].gathers:
             params = [(self.hoisted[i], inputs[i]) for i in indices]
-            for n, bucket in enumerate(_buckets(params, self.cap,
+            for n, bucket in enumerate(buckets(params, self.cap,
                                                 lambda p, t: p.param_dtype or t.dtype)):
                 self._queue.append((stage, n, bucket))
         self._issue_until(self.prefetch)
@@ -428,7 +327,7 @@ class StepZero:
                 grad = torch.nn.functional.pad(grad, (0, padded - grad.numel()))
             todo.append((param, grad))
         label = f"s{stage}_" if stage >= 0 else ""
-        for n, bucket in enumerate(_buckets(todo, self.cap, lambda p, t: t.dtype)):
+        for n, bucket in enumerate(buckets(todo, self.cap, lambda p, t: t.dtype)):
             name = f"{PROFILE_PREFIX}step_reduce_{label}{n}" if profiling() else ""
             key = self._residual_keys.get((stage, n))
             if key is None and self.reduce_bits:

@@ -22,7 +22,7 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 from zeroc.frontend import log_setup
-from zeroc.runtime import executor, pipeline_zero
+from zeroc.runtime import executor, pipeline_zero, pipeline_zero_order
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero, ZeroOrder
 from zeroc.runtime.plan.records import PassInfo
 
@@ -167,6 +167,7 @@ def test_profiler_shows_graphs_and_fused_kernels() -> None:
 def test_profiler_shows_per_step_zero_buckets(monkeypatch) -> None:
     # Two data-parallel ranks, faked: the collectives fill their outputs locally.
     monkeypatch.setattr(pipeline_zero, "group_size", lambda name: 2)
+    monkeypatch.setattr(pipeline_zero_order, "group_size", lambda name: 2)
     monkeypatch.setattr(pipeline_zero, "resolve_group", lambda name: None)
     done = type("Done", (), {"wait": lambda self: None})()
     monkeypatch.setattr(pipeline_zero, "all_gather_single",

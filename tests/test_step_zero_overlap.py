@@ -16,7 +16,7 @@ import torch
 
 from zeroc.passes.comm_lowering import lower_communication
 from zeroc.passes.schedule import build_schedule
-from zeroc.runtime import pipeline_zero
+from zeroc.runtime import pipeline_zero, pipeline_zero_order
 from zeroc.runtime.actions import p2p_groups
 from zeroc.runtime.pipeline_zero import HoistedParam, StepZero, ZeroOrder, zero_order
 
@@ -100,6 +100,7 @@ class _Recorder:
 def recorder(monkeypatch: pytest.MonkeyPatch) -> _Recorder:
     rec = _Recorder()
     monkeypatch.setattr(pipeline_zero, "group_size", lambda name: 2)
+    monkeypatch.setattr(pipeline_zero_order, "group_size", lambda name: 2)
     monkeypatch.setattr(pipeline_zero, "resolve_group", lambda name: None)
     monkeypatch.setattr(pipeline_zero, "all_gather_single", rec.all_gather)
     monkeypatch.setattr(pipeline_zero, "reduce_scatter_single", rec.reduce_scatter)
