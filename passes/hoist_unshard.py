@@ -8,8 +8,8 @@ unshard nodes whose input is a parameter placeholder: every use reads the placeh
 instead, which from now on stands for the *full* parameter (in ``param_dtype``), and whose
 gradient the stage graphs return whole. The executor gathers and reduces once per step
 (``runtime/pipeline_zero.py``) with what is returned here: a ``HoistedParam`` per parameter
-input. An unshard of anything else stays in the graph. A pipeline never traces an
-unsynchronised accumulation (``pending``): its step keeps those sums itself.
+input. An unshard of anything else stays in the graph. A pipeline opens no accumulation sink
+(``zeroc.sharding.sharded_params``): its step keeps unsynchronised sums itself.
 
 The stage graphs are then traced on fake full-size parameters of a fake tensor mode of their
 own (``zeroc.pipeline.stage_trace``), never on tensors of the rank's device.
@@ -36,8 +36,7 @@ from zeroc.runtime.pipeline_zero import HoistedParam
 __all__ = ["hoist_unshards", "remove_param_unshards"]
 
 UNSHARD = torch.ops.zeroc.unshard
-_ARGS = ("shard", "shape", "numel", "group_name", "zero_stage", "param_dtype", "reduce_dtype",
-         "pending")
+_ARGS = ("shard", "shape", "numel", "group_name", "zero_stage", "param_dtype", "reduce_dtype")
 
 
 def _arguments(node: torch.fx.Node) -> dict[str, Any]:
@@ -73,9 +72,6 @@ def remove_param_unshards(gm: torch.fx.GraphModule, params: set[int],
         index = index_of.get(shard.name) if isinstance(shard, torch.fx.Node) else None
         if index is None or index not in params:
             continue
-        if args["pending"] is not None:  # sharded_params opens no sink when pp > 1
-            raise ValueError(f"zeroc pipeline: parameter {names[index]} is gathered with a "
-                             "pending gradient accumulation, which a pipeline keeps itself")
         spec = HoistedParam(
             index=index, name=names[index], shape=tuple(int(s) for s in args["shape"]),
             numel=int(args["numel"]), group_name=args["group_name"],

@@ -13,9 +13,9 @@ are a view of the front of that buffer.
   the flat shard to ``param_dtype`` (when given: mixed precision gathers in the compute
   dtype), all-gathers the shards of the group, drops the padding and views the result as
   ``shape``.
-- Its backward casts the full gradient to ``reduce_dtype`` (when given), adds ``pending`` (the
-  gradients of micro-steps run without synchronisation, when given), calls ``reduce_grad``
-  and returns the result in the shard's own dtype, so a float32 master shard receives a
+- Its backward casts the full gradient to ``reduce_dtype`` (when given), calls ``reduce_grad``
+  and returns the result in the shard's own dtype (``reduce_full_grad``, which also reduces
+  the sum of gradients accumulated without synchronisation), so a float32 master shard receives a
   gradient reduced in float32 without an intermediate rounding.
 - ``reduce_grad(full_grad, padded_numel, group_name, zero_stage)`` returns this rank's flat
   gradient shard averaged over the group (stages 2 and 3: reduce-scatter). Stage 0 is plain
@@ -140,8 +140,7 @@ def _reduced_by(group_name: str, zero_stage: int) -> int:
 _LIB = torch.library.Library("zeroc", "FRAGMENT")
 _LIB.define(
     "unshard(Tensor shard, SymInt[] shape, int numel, str group_name, int zero_stage, "
-    "ScalarType? param_dtype=None, ScalarType? reduce_dtype=None, Tensor? pending=None) "
-    "-> Tensor"
+    "ScalarType? param_dtype=None, ScalarType? reduce_dtype=None) -> Tensor"
 )
 _LIB.define(
     "reduce_grad(Tensor full_grad, int padded_numel, str group_name, int zero_stage) -> Tensor"
@@ -173,7 +172,6 @@ WHOLE_FROM_SHARD = torch.ops.zeroc.whole_from_shard.default
 def _unshard(
     shard: torch.Tensor, shape: list[int], numel: int, group_name: str, zero_stage: int,
     param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_stage("unshard", zero_stage)
     if shard.dim() != 1:
@@ -197,7 +195,6 @@ def _unshard(
 def _unshard_fake(
     shard: torch.Tensor, shape: list[int], numel: int, group_name: str, zero_stage: int,
     param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return shard.new_empty(shape, dtype=param_dtype or shard.dtype)
 
@@ -243,31 +240,36 @@ def _reduce_grad_fake(
 
 
 def _unshard_setup_context(ctx, inputs, output) -> None:
-    shard, shape, _numel, group_name, zero_stage, _param_dtype, reduce_dtype, pending = inputs
+    shard, shape, _numel, group_name, zero_stage, _param_dtype, reduce_dtype = inputs
     ctx.shape = tuple(shape)
     ctx.shard_numel = shard.shape[0]
     ctx.shard_dtype = shard.dtype
     ctx.group_name = group_name
     ctx.zero_stage = zero_stage
     ctx.reduce_dtype = reduce_dtype
-    ctx.has_pending = pending is not None
-    if pending is not None:
-        ctx.save_for_backward(pending)
+
+
+def reduce_full_grad(
+    grad: torch.Tensor, shape: tuple[int, ...], shard_numel: int, shard_dtype: torch.dtype,
+    group_name: str, zero_stage: int, reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The flat shard gradient (in ``shard_dtype``) of a full-shape gradient ``grad``: cast to
+    ``reduce_dtype`` when given, then ``reduce_grad``: ``unshard``'s backward, and the reduction
+    of the sum accumulated without synchronisation (``zeroc.sharding.sharded_params``)."""
+    if zero_stage == 1:  # whole buffer, reduce-scattered by rows
+        padded = padded_numel_for(shape, group_size(group_name))
+    else:
+        padded = shard_numel * _ranks_for(group_name, zero_stage)
+    if reduce_dtype is not None:
+        grad = grad.to(reduce_dtype)
+    grad_shard = torch.ops.zeroc.reduce_grad(grad, padded, group_name, zero_stage)
+    return grad_shard.to(shard_dtype)
 
 
 def _unshard_backward(ctx, grad: torch.Tensor):
-    if ctx.zero_stage == 1:  # whole buffer, reduce-scattered by rows
-        padded = padded_numel_for(ctx.shape, group_size(ctx.group_name))
-    else:
-        padded = ctx.shard_numel * _ranks_for(ctx.group_name, ctx.zero_stage)
-    if ctx.reduce_dtype is not None:
-        grad = grad.to(ctx.reduce_dtype)
-    if ctx.has_pending:
-        # Gradients accumulated without synchronisation join this step's before the reduction.
-        (pending,) = ctx.saved_tensors
-        grad = grad + pending.to(grad.dtype)
-    grad_shard = torch.ops.zeroc.reduce_grad(grad, padded, ctx.group_name, ctx.zero_stage)
-    return grad_shard.to(ctx.shard_dtype), None, None, None, None, None, None, None
+    grad_shard = reduce_full_grad(grad, ctx.shape, ctx.shard_numel, ctx.shard_dtype,
+                                  ctx.group_name, ctx.zero_stage, ctx.reduce_dtype)
+    return grad_shard, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -278,13 +280,11 @@ torch.library.register_autograd(
 def unshard(
     shard: torch.Tensor, shape: tuple[int, ...], numel: int, group_name: str, zero_stage: int,
     param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-    pending: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather the full parameter of ``shape`` from the shards of ``group_name`` (differentiable;
-    gathered in ``param_dtype``, its gradient reduced in ``reduce_dtype`` when given, after
-    adding ``pending``, a full-shape gradient accumulated without synchronisation)."""
+    gathered in ``param_dtype``, its gradient reduced in ``reduce_dtype`` when given)."""
     return torch.ops.zeroc.unshard(
-        shard, list(shape), numel, group_name, zero_stage, param_dtype, reduce_dtype, pending
+        shard, list(shape), numel, group_name, zero_stage, param_dtype, reduce_dtype
     )
 
 
@@ -295,7 +295,8 @@ def reduce_grad(
     return torch.ops.zeroc.reduce_grad(full_grad, padded_numel, group_name, zero_stage)
 
 
-__all__ += ["OP_STAGES", "WHOLE_FROM_SHARD", "WHOLE_STAGES", "reduce_grad", "unshard"]
+__all__ += ["OP_STAGES", "WHOLE_FROM_SHARD", "WHOLE_STAGES", "reduce_full_grad", "reduce_grad",
+            "unshard"]
 
 
 @dataclasses.dataclass(frozen=True)

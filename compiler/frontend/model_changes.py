@@ -64,7 +64,7 @@ def _apply(sharded: ShardedParam, state: ZeroState) -> None:
         sharded.hooked = True
     sharded.sink = None
     if flag and not state.requires_gradient_sync and state.pp == 1:
-        sharded.open_sink()  # accumulating without sync: this one accumulates too
+        sharded.open_sink(state)  # accumulating without sync: this one accumulates too
     sharded.record = dataclasses.replace(sharded.record, requires_grad=flag)
     setattr(sharded.flat, PARAM_ATTR, sharded.record)
 

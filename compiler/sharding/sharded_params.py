@@ -22,12 +22,15 @@ Gradients: a post-accumulate-grad hook on the flat buffer moves each gradient in
 parameter's ``.grad`` (a DTensor over a view of it), adding when one is there, so
 ``zero_grad``, accumulation and clipping act on the visible parameters as with FSDP2.
 
-Gradient accumulation without synchronisation (``set_requires_gradient_sync(False)``): the
-forward adds a zero-stride "sink" of the full shape to each gathered weight and gathers from a
-detached buffer, so the backward reduces nothing and the sink's ``.grad`` sums the full local
-gradients (the full-size gradient memory FSDP2's no-sync also holds). The next synchronised
-step passes that sum to ``zeroc::unshard`` as ``pending``; its backward adds it to the step's
-gradient before the one reduction, so k micro-steps cost one reduction per bucket. A pipeline
+Gradient accumulation without synchronisation (``set_requires_gradient_sync(False)``): while
+a parameter's "sink" is open, the forward adds that zero-stride leaf of the full shape to
+each gathered weight and gathers from a detached buffer, so the backward reduces nothing and
+the sink's ``.grad`` sums the full local gradients of every use (the full-size gradient
+memory FSDP2's no-sync also holds). The backward that runs with the switch back on reduces
+each sum once, bucketed, when it ends, and the sinks close (``zeroc.sharding.accumulation``):
+k micro-steps cost one reduction per bucket, issued after the last backward rather than
+overlapped inside the graph. The forward is the same graph with the switch on or off, so the
+step that ends an accumulation compiles nothing new. A pipeline
 (``pp > 1``) never opens sinks, so its graphs are the same with and without sync: the
 pipelined step reads the switch when it runs and keeps its own pending sums
 (``ZeroState.pipeline_pending``, see ``zeroc.pipeline.pipelined_step``).
@@ -53,6 +56,7 @@ from torch import nn
 
 from zeroc.runtime.torch_compat import make_contiguous_strides_for
 from zeroc.runtime.zero_ops import ParamShard, unshard
+from zeroc.sharding.accumulation import sink_accumulated
 from zeroc.sharding.param_guards import guard_methods
 
 __all__ = ["FLAT_PREFIX", "ShardedParam", "UnshardSpec", "ZeroState", "install",
@@ -61,7 +65,6 @@ __all__ = ["FLAT_PREFIX", "ShardedParam", "UnshardSpec", "ZeroState", "install",
 FLAT_PREFIX = "_zeroc_flat_"
 SPEC_PREFIX = "_zeroc_spec_"
 SHARD_PREFIX = "_zeroc_param_"
-FIRST_PREFIX = "_zeroc_first_"
 STATE_ATTR = "_zeroc_state"
 SHARDED_ATTR = "_zeroc_sharded"
 
@@ -110,12 +113,14 @@ class ShardedParam:
     # ``move_grad``'s own hand-over.
     take_grad: Any = None
 
-    def open_sink(self) -> None:
+    def open_sink(self, state: ZeroState) -> None:
         """Start accumulating unreduced gradients (``set_requires_gradient_sync(False)``)."""
         if self.sink is None and self.flat.requires_grad:
             dtype = self.spec.reduce_dtype or self.flat.dtype
             zero = torch.zeros((), dtype=dtype, device=self.flat.device)
             self.sink = zero.expand(self.record.shape).requires_grad_()
+            self.sink.register_post_accumulate_grad_hook(
+                lambda sink: sink_accumulated(state, self, sink))
 
     def rows_stamp(self) -> tuple[int, int]:
         """The version counters every in-place write of this rank's rows advances: the flat
@@ -159,7 +164,7 @@ class ShardedParam:
     def move_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of ``flat``: its gradient goes to the visible parameter.
 
-        A synchronised step has consumed the pending accumulation: the sink is dropped."""
+        A synchronised step has reduced the accumulation: the sink is dropped."""
         grad = flat.grad
         if grad is None:  # a compiled no-sync step may call the hook with no gradient
             return
@@ -195,6 +200,9 @@ class ZeroState:
     # backward, where the seeded gradient is known). See ``zeroc.pipeline.pipelined_step``.
     pipeline_pending: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     pipeline_accumulating: bool = False
+    # pp == 1: parameters whose accumulated sums the backward that ends an accumulation
+    # reduces when it ends (``zeroc.sharding.accumulation``).
+    flushing: list[ShardedParam] = dataclasses.field(default_factory=list)
 
 
 class _ForwardDepth(threading.local):
@@ -241,19 +249,17 @@ def _spec_of(key: str) -> UnshardSpec:
 def full_weight(module: nn.Module, name: str) -> torch.Tensor:
     """``module.<name>`` gathered in full from its flat buffer (differentiable).
 
-    Without gradient synchronisation the gradient goes, unreduced, to the sink; the next
-    synchronised use (by the parameter's first owner only, so a tied parameter adds it once)
-    adds the sink's accumulated gradient before the reduction."""
+    While an accumulation is open (the parameter's sink), the gradient goes, unreduced, to
+    the sink, whose hook reduces the sum once the switch is on again (see above)."""
     spec = _spec_of(module.__dict__[SPEC_PREFIX + name])
     flat = module.__dict__[FLAT_PREFIX + name]
     sink = module.__dict__[SHARD_PREFIX + name].sink
-    if sink is not None and not module.__dict__[STATE_ATTR].requires_gradient_sync:
+    if sink is not None:
         gathered = unshard(flat.detach(), spec.shape, spec.numel, spec.group_name,
                            spec.op_stage, spec.param_dtype)
         return gathered + sink.to(gathered.dtype)
-    pending = sink.grad if sink is not None and module.__dict__[FIRST_PREFIX + name] else None
     return unshard(flat, spec.shape, spec.numel, spec.group_name, spec.op_stage,
-                   spec.param_dtype, spec.reduce_dtype, pending)
+                   spec.param_dtype, spec.reduce_dtype)
 
 
 def _property(name: str) -> property:
@@ -328,12 +334,11 @@ def _sharded_class(cls: type, names: tuple[str, ...]) -> type:
 
 def install(owners: list[tuple[nn.Module, str]], sharded: ShardedParam) -> None:
     """Put ``sharded`` into every ``(module, local name)`` that owned the parameter."""
-    for index, (module, local) in enumerate(owners):
+    for module, local in owners:
         module._parameters[local] = sharded.visible
         module.__dict__[FLAT_PREFIX + local] = sharded.flat
         module.__dict__[SPEC_PREFIX + local] = _spec_key(sharded.spec)
         module.__dict__[SHARD_PREFIX + local] = sharded
-        module.__dict__[FIRST_PREFIX + local] = index == 0
     setattr(sharded.visible, SHARDED_ATTR, sharded)
     sharded.rows_version = sharded.rows_stamp()
     # A frozen parameter gets no gradient (one unfrozen later: ``zeroc.frontend.model_changes``).
@@ -370,7 +375,7 @@ def set_requires_gradient_sync(state: ZeroState, requires_gradient_sync: bool) -
     # (``zeroc.pipeline.pipelined_step``) and its graphs must not depend on it.
     if not requires_gradient_sync and state.pp == 1:
         for sharded in state.params:
-            sharded.open_sink()
+            sharded.open_sink(state)
 
 
 _STEP_HOOKS: dict[Any, Any] = {}

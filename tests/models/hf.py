@@ -1,15 +1,15 @@
 """Hugging Face ``transformers`` models built from small configs, for the pipeline tests.
 
 Ten architectures (decoder-only, encoder-only and encoder-decoder, ``ARCHITECTURES``), the
-newer dense decoders Qwen3 and Gemma3 (``DENSE``) and five mixture-of-experts decoders
-(``MOE``: GPT-OSS with 3-D expert weights and biases, Mixtral, Qwen3-MoE with the router's
-auxiliary loss in the loss, OLMoE and DeepSeek-V3 with a shared expert and a dense first
-layer), each with repeated blocks (four unless asked; T5 has half in the encoder and half in
-the decoder), a vocabulary of ``VOCAB`` tokens and dropout off, so a pipelined run can be
-compared with eager exactly. The MoE models have ``EXPERTS`` experts per layer, ``TOP_K`` of
-them per token. ``build(name)`` makes one under the current torch RNG; ``UserWrapper`` is the
-way users often hold one: their own module whose forward calls the model with ``labels=`` and
-returns ``.loss``.
+newer dense decoders Qwen3 and Gemma3 (``DENSE``), BART (``TIED``: one embedding tied to
+four modules) and five mixture-of-experts decoders (``MOE``: GPT-OSS with 3-D expert weights
+and biases, Mixtral, Qwen3-MoE with the router's auxiliary loss in the loss, OLMoE and
+DeepSeek-V3 with a shared expert and a dense first layer), each with repeated blocks (four
+unless asked; T5 and BART have half in the encoder and half in the decoder), a vocabulary of
+``VOCAB`` tokens and dropout off, so a pipelined run can be compared with eager exactly. The
+MoE models have ``EXPERTS`` experts per layer, ``TOP_K`` of them per token. ``build(name)``
+makes one under the current torch RNG; ``UserWrapper`` is the way users often hold one: their
+own module whose forward calls the model with ``labels=`` and returns ``.loss``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox"
                  "bert", "t5")
 DENSE = ("qwen3", "gemma3")
 MOE = ("gpt_oss", "mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
+# Models whose embedding is tied to more than one module: BART's ``model.shared`` (never called
+# itself) is its encoder's and decoder's embedding and its ``lm_head``.
+TIED = ("bart",)
 EXPERTS = 4
 TOP_K = 2
 # Rotary embeddings without scaling (GPT-OSS defaults to YaRN for 4096 original positions).
@@ -117,7 +120,14 @@ def build(name: str, layers: int = 4) -> nn.Module:
             d_model=32, d_ff=64, num_layers=layers // 2, num_decoder_layers=layers // 2,
             num_heads=2, d_kv=16,
             vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
-    raise KeyError(f"unknown architecture {name!r}; known: {ARCHITECTURES + DENSE + MOE}")
+    if name == "bart":
+        return transformers.BartForConditionalGeneration(transformers.BartConfig(
+            d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=layers // 2,
+            decoder_layers=layers // 2, encoder_attention_heads=2, decoder_attention_heads=2,
+            max_position_embeddings=64, vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0))
+    raise KeyError(f"unknown architecture {name!r}; known: "
+                   f"{ARCHITECTURES + DENSE + MOE + TIED}")
 
 
 class UserWrapper(nn.Module):
