@@ -132,6 +132,23 @@ def _collectives_then_value_read(call) -> None:
     assert check.checked > before
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_model_built_on_the_cpu_moves_to_the_groups_device(zero: int) -> None:
+    """The README's loop on a GPU node: the model is built on the CPU, then parallelized on a
+    CUDA group. Its parameters are broadcast and sharded on the group's device (a CPU tensor
+    on the broadcast would raise here), and its buffers move there too, as FSDP2 moves them."""
+    with fake_world(0, 2, 1, "cuda"):
+        model = _gpt()  # the fake world's tensors: made on the CPU
+        model.register_buffer("scale", torch.ones(3))
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        check = nccl_devices.active_check()
+        before = check.checked
+        zeroc.parallelize(model, zero=zero)
+        assert check.checked > before  # the broadcasts ran, on the device
+        assert {p.device for p in model.parameters()} == {torch.device("cuda", 0)}
+        assert {b.device for b in model.buffers()} == {torch.device("cuda", 0)}
+
+
 def test_a_cpu_batch_where_the_group_is_on_cuda_is_refused_naming_the_input() -> None:
     with fake_world(0, 2, 1, "cuda"):
         model = zeroc.parallelize(meta_copy(_gpt()), zero=3,

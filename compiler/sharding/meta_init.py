@@ -229,11 +229,19 @@ def _message(path: str, module: nn.Module, name: str, is_buffer: bool) -> str:
     )
 
 
+# Set on a planner's meta copy of a model that holds its values (built on the CPU or a GPU,
+# ``zeroc.world.fake_world.meta_copy``): planning allocates fake tensors and never initializes,
+# and the user's own model needs no initializer, so nothing is checked.
+COPY_OF_VALUES_ATTR = "_zeroc_meta_copy_of_values"
+
+
 def check_meta_initializable(model: nn.Module, init_fn: InitFn | None) -> None:
     """Raise ``ValueError`` naming the first module (dotted path and class) whose meta parameters
     or meta buffers nothing can initialize, saying what to pass (``init_fn=...``, or a
     ``reset_parameters()``). Call it before anything in ``model`` is sharded: it dry-runs the
     initializers on the meta model (``init_fn`` is called once per module on meta tensors)."""
+    if model.__dict__.get(COPY_OF_VALUES_ATTR):
+        return
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return
     plan = _plan_for(model, init_fn)

@@ -161,6 +161,20 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (a meta tensor stays: it is materialized or deferred)."""
+    if tensor.is_meta or tensor.device == device:
+        return tensor
+    return tensor.detach().to(device)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """``module``'s own buffers on ``device`` (meta buffers are ``meta_init``'s)."""
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not buffer.is_meta and buffer.device != device:
+            module._buffers[name] = buffer.to(device)
+
+
 def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh,
                             planned: PlannedWorld | None) -> torch.Tensor:
     # The caller reads only its values (``_shard`` copies them out), so only a tensor that is
@@ -267,12 +281,15 @@ def parallelize(
                 else None)  # planning: fake tensors hold nothing to defer
     for path, module in list(model.named_modules()):
         fresh = materialize_direct(model, module, device, entries, init_fn, skip_init)
+        _move_buffers(module, device)
         for local, param in list(module._parameters.items()):
             if param is None:
                 continue
             if id(param) not in entries:
-                # Sharded at once: the full tensor is freed before the next module's.
-                full = fresh.pop(local, param)
+                # Sharded at once: the full tensor is freed before the next module's. A model
+                # built elsewhere (on the CPU, for a CUDA group) moves to the group's device
+                # first, as FSDP2's ``fully_shard`` moves it: broadcast and shards live there.
+                full = _on_device(fresh.pop(local, param), device)
                 if deferred is None or not param.is_meta:
                     full = _broadcast_from_dp_root(full, mesh_, planned_world)
                 sharded = _shard(param, full, zero, mesh_, policy, planned_world)

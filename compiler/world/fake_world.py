@@ -42,6 +42,7 @@ from zeroc.runtime.nccl_devices import strict_devices
 from zeroc.runtime.nccl_order import P2PRecord
 from zeroc.runtime.torch_compat import FakeTensorMode
 from zeroc.runtime.world import PlannedWorld, SharedPlanning
+from zeroc.sharding.meta_init import COPY_OF_VALUES_ATTR
 from zeroc.world.fake_cuda import ensure_fake_cuda, fake_cuda_planning, run_backward
 from zeroc.world.plan_capture import SharedTrace
 
@@ -54,15 +55,22 @@ DEVICES = ("cuda", "cpu")
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers are meta tensors (ties kept)."""
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors (ties kept).
+
+    The copy of a model that holds values (built on the CPU or a device) is marked so: planning
+    it asks for no initializer, since the user's model needs none."""
     memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
+    tensors = [*model.parameters(), *model.buffers()]
+    for tensor in tensors:
         if id(tensor) in memo:
             continue
         empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = (nn.Parameter(empty, tensor.requires_grad)
                             if isinstance(tensor, nn.Parameter) else empty)
-    return copy.deepcopy(model, memo)
+    replica = copy.deepcopy(model, memo)
+    if not any(t.is_meta for t in tensors):
+        replica.__dict__[COPY_OF_VALUES_ATTR] = True
+    return replica
 
 
 @contextlib.contextmanager
