@@ -182,7 +182,8 @@ def test_planning_stops_when_no_planned_candidate_fits(tmp_path) -> None:
 
 def test_a_slow_link_makes_quantized_collectives_candidates_the_screen_prefers() -> None:
     """On a profile whose inter-node link is slow (10 Gbit/s), a 16-rank data-parallel job
-    spanning two nodes gets quantized candidates (int8 gathers, int4 reductions), the screen
+    spanning two nodes gets quantized candidates (int8 gathers, int4 reductions) when lossy
+    options are allowed, the screen
     ranks them faster than the exact layout, the table names them, and ``search`` forbids
     them; on the stock profile (400 Gbit/s) they are not default candidates. hpZ with one
     node's 8 devices is a candidate on both (the ranks span nodes), and the screen ranks it
@@ -202,12 +203,15 @@ def test_a_slow_link_makes_quantized_collectives_candidates_the_screen_prefers()
     assert [key(c) for c in candidates(16, 16, search, fast)] == [(None, None, None),
                                                                   (None, None, 8)]
     assert [key(c) for c in candidates(8, 16, search, fast)] == [(None, None, None)]
-    space = candidates(16, 16, search, slow)
+    # Lossy options only when allowed: the slow link alone does not make them candidates.
+    assert [key(c) for c in candidates(16, 16, search, slow)] == [(None, None, None),
+                                                                  (None, None, 8)]
+    space = candidates(16, 16, search, slow, lossy=True)
     assert {key(c) for c in space} == {(g, r, k) for g in (None, "int8") for r in (None, "int4")
                                        for k in (None, 8)}
     assert key(space[0]) == (None, None, None)  # exact first
     forbidden = candidates(16, 16, {**search, "gather_quant": [None], "reduce_quant": [None],
-                                    "secondary_shard": [None]}, slow)
+                                    "secondary_shard": [None]}, slow, lossy=True)
     assert [key(c) for c in forbidden] == [(None, None, None)]
     model = _llama(layers=4, hidden=512, ffn=1376, heads=8, kv_heads=8, vocab=8000, seq=256)
     tokens = torch.zeros(16, 256, dtype=torch.long)
@@ -244,3 +248,17 @@ def test_a_model_that_fits_only_with_offload_gets_offload(tmp_path) -> None:
     assert {t.candidate.offload for t in result.trials} == {None, "optimizer"}
     assert "offload=optimizer" in result.table()
     assert Candidate.from_json(result.best.to_json()) == result.best
+
+
+def test_the_summary_counts_estimated_over_budget_and_skipped_candidates_apart() -> None:
+    """``why()`` never counts a candidate that was not estimated as one that does not fit."""
+    from zeroc.tuning.tune_result import Trial, TuneResult
+
+    space = candidates(16, 16, {"pp": [1], "zero": [3, 2, 0], "prefetch": [1]})
+    assert len(space) >= 3
+    trials = (Trial(space[0], estimated_s=0.1, peak_bytes=1 << 30),
+              Trial(space[1], estimated_s=0.2, peak_bytes=1 << 40, rejected="needs 1 TiB > 80 GiB"),
+              *(Trial(c, rejected="not estimated: budget spent") for c in space[2:]))
+    text = TuneResult(space[0], trials, False, "").why()
+    assert (f"of {len(space)} candidates 2 estimated: 1 fit in memory, 1 over it; "
+            f"{len(space) - 2} not estimated") in text, text

@@ -152,7 +152,7 @@ def _agree_failed(failed: bool) -> bool:
 def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None,
          search: dict[str, Any] | None = None, measure_best: int = 3, steps: int = 5,
          device: str | None = None, hardware: Any = None, cache_dir: str | None = None,
-         force: bool = False, world: int | None = None) -> TuneResult:
+         force: bool = False, world: int | None = None, lossy: bool = False) -> TuneResult:
     """Choose a layout and options for ``model`` (not yet parallelized) on this world.
 
     ``example_inputs``: one replica's batch (a tuple or a dict of keyword inputs; under
@@ -168,6 +168,10 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None
     alone, measuring nothing (``result.measured`` is False; ``result.why()`` says why the
     winner wins): every candidate is screened on one profiled step and the best are planned
     in full (``zeroc.tuning.tune_world``). The model may then be on the meta device.
+
+    ``lossy=True`` allows options that change the numbers within their error bounds
+    (quantized collectives) as candidates where the data-parallel link is slow; without it
+    only ``search`` can ask for them.
     """
     here, rank = _world()
     planning = world is not None and world != here
@@ -197,7 +201,7 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None
 
         hardware = calibrate(cache_dir=cache_dir)
     hardware = get_profile(hardware)  # a name or a dict: the profile (raises naming them)
-    space = candidates(world, _batch_rows(example_inputs), search, hardware)
+    space = candidates(world, _batch_rows(example_inputs), search, hardware, lossy)
     log.info("zeroc.tune: %d candidates for world %d on %s", len(space), world, device)
     if planning:
         return tune_world(model, example_inputs, space, world=world, device=device,
@@ -261,7 +265,7 @@ def tune(model: nn.Module, example_inputs: Any, *, budget_s: float | None = None
         except Exception as error:  # a candidate that cannot run loses, the rest go on
             log.warning("zeroc.tune: %s failed: %s", trial.candidate.label(), error)
             failed, seconds = True, None
-            trial.rejected = f"failed: {str(error).splitlines()[0][:80] if str(error) else ''}"
+            trial.rejected = f"failed: {str(error).splitlines()[0] if str(error) else ''}"
         if _agree_failed(failed):
             trial.rejected = trial.rejected or "failed on another rank"
         else:

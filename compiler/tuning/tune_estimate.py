@@ -51,7 +51,7 @@ def _estimate(model: nn.Module, example_inputs: Any, candidate: Candidate, world
     except Exception as error:  # a candidate the model cannot take is rejected, not fatal
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         log.info("zeroc.tune: cannot plan %s: %s", candidate.label(), reason)
-        return None, None, f"cannot plan: {reason[:100]}", {}
+        return None, None, f"cannot plan: {reason}", {}
     peak = max((m.peak for m in plan.memory), default=None)
     estimate = plan.estimate
     if estimate is None:

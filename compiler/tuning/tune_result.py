@@ -62,6 +62,15 @@ class TuneResult:
     cache_file: str
     measured: bool = True  # False: chosen by the estimate alone (a world that is not here)
 
+    def counts(self) -> str:
+        """How many candidates were estimated (and of those, how many fit in memory and how
+        many were over it) and how many never were (the budget, or a failure to plan)."""
+        estimated = [t for t in self.trials if t.peak_bytes]
+        over = sum(1 for t in estimated if t.rejected.startswith("needs"))
+        return (f"of {len(self.trials)} candidates {len(estimated)} estimated: "
+                f"{len(estimated) - over} fit in memory, {over} over it; "
+                f"{len(self.trials) - len(estimated)} not estimated")
+
     def why(self) -> str:
         """Why the winner wins: its memory, bubble and exposed communication against the
         runner-up's, from the estimates (a screened runner-up's when only the winner was
@@ -73,10 +82,8 @@ class TuneResult:
         alive = [t for t in self.trials if not t.rejected and t.candidate != self.best]
         others = sorted((t for t in alive if t.estimated_s is not None),
                         key=lambda t: t.estimated_s)
-        fits = sum(1 for t in self.trials if t.peak_bytes and not t.rejected.startswith("needs"))
         text = (f"{self.best.label()}: estimated step {best.estimated_s * 1e3:.4g} ms, peak "
-                f"{human_bytes(best.peak_bytes or 0)} ({fits} of {len(self.trials)} candidates "
-                f"fit in memory), {_figures(best)}")
+                f"{human_bytes(best.peak_bytes or 0)} ({self.counts()}), {_figures(best)}")
         if others:
             runner = others[0]
             text += (f"; next best {runner.candidate.label()} at "

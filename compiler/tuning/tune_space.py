@@ -7,10 +7,11 @@ defaults first, so a search cut short by its budget has still looked at the usua
 ``search`` narrows or widens any axis: ``{"zero": [2, 3], "fused_loss": [True]}``.
 
 Quantized collectives (``gather_quant`` for ZeRO-2/3, ``reduce_quant`` for ZeRO-1/2/3) change
-the numbers within their error bounds, so they are candidates by default only where the
-data-parallel link is slow (``slow_link``: ``tune`` decides from the hardware profile, see
-``SLOW_LINK_BYTES_PER_S``); ``search={"gather_quant": [None, "int8"]}`` allows them anywhere,
-``[None]`` forbids them. hpZ (``secondary_shard``, ZeRO-3 at pp=1) is a default candidate,
+the numbers within their error bounds, so they are candidates only when the user allows lossy
+options: ``tune(..., lossy=True)`` makes them candidates where the data-parallel link is slow
+(``slow_link``: decided from the hardware profile, see ``SLOW_LINK_BYTES_PER_S``);
+``search={"gather_quant": [None, "int8"]}`` allows them anywhere, ``[None]`` forbids them.
+hpZ (``secondary_shard``, ZeRO-3 at pp=1) is a default candidate,
 with groups of one node's devices, where the data-parallel ranks span nodes: the backward's
 gathers then stay inside the node. Optimizer offload
 (``search={"offload": [None, "optimizer"]}``) is not a default candidate: ``tune`` tries it
@@ -98,11 +99,11 @@ def offload_variants(space: list[Candidate]) -> list[Candidate]:
 
 
 def candidates(world: int, batch: int, search: dict[str, Any] | None = None,
-               hardware: Any = None) -> list[Candidate]:
+               hardware: Any = None, lossy: bool = False) -> list[Candidate]:
     """Every candidate for ``world`` ranks at a global ``batch`` (rows of one replica's
     example), defaults first. Pipelines need a batch their micro-batches divide.
     ``hardware``: the profile whose link speed decides whether quantized collectives are
-    default candidates (``slow_link``)."""
+    default candidates (``slow_link``) when ``lossy`` allows them."""
     search = dict(search or {})
     unknown = set(search) - set(SEARCH_AXES)
     if unknown:
@@ -128,7 +129,7 @@ def candidates(world: int, batch: int, search: dict[str, Any] | None = None,
                           if batch % m == 0 and m >= low]
             for microbatches in counts:
                 for zero in zeros:
-                    slow = hardware is not None and slow_link(world, pp, hardware)
+                    slow = lossy and hardware is not None and slow_link(world, pp, hardware)
                     quantized = _quantized(search, zero, slow)
                     prefetches = _axis(search, "prefetch", [defaults.prefetch, 0]) \
                         if zero == 3 and pp == 1 else [defaults.prefetch]

@@ -60,7 +60,8 @@ def _screen_all(model: nn.Module, example_inputs: Any, space: list[Candidate], w
         try:
             found = screen(profile, candidate, world, hardware)
         except ValueError as error:  # a schedule that cannot run these sizes
-            trials.append(Trial(candidate, rejected=f"cannot screen: {str(error)[:100]}"))
+            reason = str(error) or type(error).__name__
+            trials.append(Trial(candidate, rejected=f"cannot screen: {reason}"))
             continue
         trial = Trial(candidate, peak_bytes=found.peak_bytes, parts=found.parts,
                       screened_s=found.step_s)
