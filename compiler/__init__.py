@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from zeroc.runtime.plan.plan import Plan
     from zeroc.runtime.zero_ops import MixedPrecision
     from zeroc.sharding.checkpoint import load_checkpoint, save_checkpoint
+    from zeroc.sharding.residual_state import ReductionResiduals
     from zeroc.sharding.training import (
         clip_grad_norm_,
         data_parallel_rank,
@@ -56,6 +57,7 @@ __all__ = [
     "Config",
     "MixedPrecision",
     "Plan",
+    "ReductionResiduals",
     "calibrate",
     "clip_grad_norm_",
     "data_parallel_rank",
@@ -75,6 +77,7 @@ _LAZY = {
     "Config": ("zeroc.frontend.config", "Config"),
     "MixedPrecision": ("zeroc.runtime.zero_ops", "MixedPrecision"),
     "Plan": ("zeroc.runtime.plan.plan", "Plan"),
+    "ReductionResiduals": ("zeroc.sharding.residual_state", "ReductionResiduals"),
     "clip_grad_norm_": ("zeroc.sharding.training", "clip_grad_norm_"),
     "load_checkpoint": ("zeroc.sharding.checkpoint", "load_checkpoint"),
     "save_checkpoint": ("zeroc.sharding.checkpoint", "save_checkpoint"),

@@ -30,7 +30,8 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
 - ``reduce_quant="int8" | "int4"`` (stages 1-3): the rank-major bucket is quantized row by row
   with error feedback (``zeroc::quantize_grad_rows``), row r goes to rank r by one
   ``all_to_all_single`` (on every backend), and ``zeroc::dequantize_sum_mean`` sums the
-  received rows in float32 and averages them (``zeroc.runtime.reduce_quant``).
+  received rows in float32 and averages them (``zeroc.runtime.reduce_quant``); the residual is
+  the bucket's parameters' in its model's store (``ctx.extras["residuals"]``).
 - hpZ (``secondary_shard=k``, ``zeroc.passes.secondary_shard``): a forward's
   ``unshard(secondary_shard(w))`` is folded to ``w``; the backward's gathers of the secondary
   pieces run over their group of ``k`` ranks like any gather, bucketed by group, and are never
@@ -336,7 +337,8 @@ def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) ->
             packed = build.call(aten.reshape.default, packed, [-1])
             op = "reduce_scatter" if stage >= 1 else "all_reduce"
             if bits:  # reduce_quant: row r quantized (with error feedback) to rank r
-                key = residual_key(f"{ctx.graph_name}.reduce{len(issued_buckets)}")
+                key = residual_key([grad_names.get(n, n.name) for n in bucket.nodes],
+                                   ctx.extras.get("residuals"))
                 packed = build.call(QUANTIZE_GRAD_ROWS, packed, dp, bits, QUANT_BLOCK, key)
                 rows = [packed.meta["val"].numel() // dp] * dp
                 issued = build.call(functional.all_to_all_single.default, packed, rows, rows,

@@ -30,7 +30,8 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
   averaged over the data-parallel ranks, in the shard's dtype (ZeRO-1, whose parameters are
   whole: a whole-size gradient holding this rank's averaged rows, zeros elsewhere). With
   ``reduce_quant`` each bucket's rows are quantized with error feedback, sent by an
-  all-to-all on any backend and summed in float32 (``zeroc.runtime.reduce_quant``).
+  all-to-all on any backend and summed in float32 (``zeroc.runtime.reduce_quant``), the
+  residual named by the bucket's parameters in the residual store of their model.
 
 Every rank of a data-parallel group runs the same position's schedule, so each issues the same
 collectives in the same order (NCCL's in-order matching). An asynchronous collective's input
@@ -70,7 +71,8 @@ from zeroc.runtime.reduce_quant import (
     DEQUANTIZE_SUM_MEAN,
     QUANTIZE_GRAD_ROWS,
     REDUCE_BITS,
-    residual_key,
+    bucket_id,
+    owned_key,
     row_bytes,
 )
 from zeroc.runtime.reduce_quant import worth_quantizing as worth_reducing_quantized
@@ -115,7 +117,6 @@ class StepZero:
         self.quantized = gather_quant == "int8"  # gathers move int8 blocks + scales
         self.reduce_quant = reduce_quant
         self.reduce_bits = REDUCE_BITS.get(reduce_quant)  # reductions: quantized rows
-        self._residual_keys: dict[tuple[int, int], str] = {}  # (stage, bucket) -> key
         self.orders = orders  # by training (True) or forward-only (False) step
         self.cap = bucket_mb * 2**20
         self.prefetch = max(0, int(prefetch))
@@ -329,9 +330,8 @@ class StepZero:
         label = f"s{stage}_" if stage >= 0 else ""
         for n, bucket in enumerate(buckets(todo, self.cap, lambda p, t: t.dtype)):
             name = f"{PROFILE_PREFIX}step_reduce_{label}{n}" if profiling() else ""
-            key = self._residual_keys.get((stage, n))
-            if key is None and self.reduce_bits:
-                key = self._residual_keys[(stage, n)] = residual_key(f"step_reduce_s{stage}_{n}")
+            key = owned_key(bucket_id(tuple(p.name for p, _ in bucket)), inputs[
+                bucket[0][0].index]) if self.reduce_bits else None  # the flat's model's store
             self._reducing.append((stage, n, self._reduce_bucket(bucket, name, key)))
 
     def _reduce_bucket(self, bucket: list[tuple[HoistedParam, torch.Tensor]],

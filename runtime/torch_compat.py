@@ -103,8 +103,8 @@ __all__ = [
     # torch's logging registry
     "add_torch_log_handler", "register_torch_log", "torch_logs_env_var",
     # torch.distributed
-    "DTensorSpec", "FakeStore", "TensorMeta", "all_gather_single", "reduce_scatter_single",
-    "resolve_process_group",
+    "DTensorSpec", "FakeStore", "TensorMeta", "all_gather_single", "default_store",
+    "reduce_scatter_single", "resolve_process_group",
 ]
 
 # --- FX call targets -------------------------------------------------------------------------
@@ -203,6 +203,16 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def default_store() -> dist.Store | None:
+    """The store of the default process group (the job's rendezvous store), or ``None``."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 # --- imported on first use -------------------------------------------------------------------

@@ -161,3 +161,47 @@ def test_the_other_rank_hint_only_when_a_collective_failed(error: Exception,
         assert "Another rank probably died" in str(info.value)
     else:
         assert info.value is error
+
+
+def test_the_graph_check_agrees_through_the_store_without_aligned_compiles() -> None:
+    """The cross-rank check publishes each compiled text in the job's store: a rank that
+    compiles a text its peer compiled earlier (the peer reuses that graph and compiles
+    nothing now) passes at once; two ranks stuck on different texts both raise, each naming
+    both ranks' first differing line."""
+    import threading
+
+    from zeroc.runtime.consistency import PlanMismatchError, _Exchange, text_digest
+
+    store = torch.distributed.HashStore()
+    ranks = [0, 1]
+
+    def agree(rank: int, text: str, out: dict) -> None:
+        try:
+            _Exchange(store, "zeroc/graphs/t", rank, ranks).agree("g1.forward", text,
+                                                                  text_digest(text))
+            out[rank] = "ok"
+        except PlanMismatchError as error:
+            out[rank] = str(error)
+
+    same = "all_gather(f32[64], '0')\nreduce_scatter(f32[128], '0')"
+    done: dict = {}
+    threads = [threading.Thread(target=agree, args=(r, same, done)) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert done == {0: "ok", 1: "ok"}
+    # Rank 1 reuses its graph; rank 0 compiles the same collectives again: no wait.
+    agree(0, same, done)
+    assert done[0] == "ok"
+    texts = {0: same, 1: same.replace("f32[128]", "f32[256]")}
+    done = {}
+    threads = [threading.Thread(target=agree, args=(r, texts[r] + "\nx", done)) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for rank in ranks:
+        assert "compiled different plans for g1.forward" in done[rank], done
+        assert "first difference at line 2" in done[rank]
+        assert "f32[128]" in done[rank] and "f32[256]" in done[rank]

@@ -36,6 +36,7 @@ from zeroc.runtime.program import Program, StageProgram, frozen_mapping
 from zeroc.runtime.torch_compat import (
     aot_autograd,
 )
+from zeroc.sharding.residual_state import residual_scope
 
 SOURCE_NAME_META = "zeroc_source_name"
 
@@ -118,7 +119,9 @@ def compile_dynamo_graph(
     gm = run_dynamo_passes(gm, config, record, device)
     compiler = StageCompiler(config, record, prefix, device, input_names,
                              zero_stage_hint=layout.zero if layout is not None else None,
-                             planned=layout.planned if layout is not None else None)
+                             planned=layout.planned if layout is not None else None,
+                             residuals=residual_scope(example_inputs, input_names)
+                             if config.reduce_quant else None)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

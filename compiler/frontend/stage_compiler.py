@@ -33,9 +33,10 @@ from zeroc.frontend.session import CompiledGraph
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
 from zeroc.passes.pipeline import JOINT_PASSES, graph_passes
 from zeroc.passes.secondary_shard import keep_read_secondary_shards
-from zeroc.runtime.consistency import check_same_graph
+from zeroc.runtime.consistency import check_same_graph, collective_text
 from zeroc.runtime.cost.cost import graph_info, tensor_bytes
 from zeroc.runtime.plan.records import PassInfo
+from zeroc.runtime.reduce_quant import ResidualScope
 from zeroc.runtime.secondary_shard import SECONDARY_SHARD, comparable_text
 from zeroc.runtime.torch_compat import default_partition, min_cut_rematerialization_partition
 from zeroc.runtime.world import PlannedWorld
@@ -117,6 +118,9 @@ class StageCompiler:
     compiled_later: Callable[[str, torch.fx.GraphModule], None] | None = None
     # The world zeroc.world plans (its ZeroLayout's ``planned``); None: a real run.
     planned: PlannedWorld | None = None
+    # ``reduce_quant``: the model's error-feedback store and parameter names, for the ZeRO
+    # lowering (``zeroc.runtime.reduce_quant.ResidualScope``); None: none kept per model.
+    residuals: ResidualScope | None = None
 
     @property
     def timed(self) -> bool:
@@ -188,13 +192,17 @@ class StageCompiler:
                                     else max(self.record.zero, zero))
                 self.record.zero_group = group
         graph, ctx, infos = self._run(graph, kind, graph_passes(self.path),
-                                      {"input_names": self.input_names, "zero_group": group})
+                                      {"input_names": self.input_names, "zero_group": group,
+                                       "residuals": self.residuals})
         name = f"{self.name}.{kind}"
         text = graph_text(graph)
         # The data-parallel ranks compiled it alike, or all of them raise. A planned world's
-        # one program stands for every rank: there is nothing to compare.
+        # one program stands for every rank: there is nothing to compare. At pp = 1 (no
+        # group given: the graph's own collectives name it) the graph's collectives are
+        # compared; a pipeline stage graph, which issues none, is compared whole.
         if self.planned is None:
-            check_same_graph(name, comparable_text(text), group, self.device)
+            compared = collective_text(graph) if self.zero_group is None else text
+            check_same_graph(name, comparable_text(compared), group, self.device)
         self.record.graphs.append(graph_info(graph, name, kind, text, self.timed))
         self.record.kernels.extend(ctx.kernels)
         self.record.collectives.extend(ctx.collectives)
