@@ -354,3 +354,23 @@ def test_rejected_model_is_left_untouched() -> None:
         parallelize(model)
     assert not torch.nn.utils.parametrize.is_parametrized(model.fc)
     assert not hasattr(model, "_zeroc_layout")
+
+
+def test_a_deleted_model_is_freed_with_its_shards() -> None:
+    """A parallelized model, after a backward and an accumulation, is freed when the user drops
+    it: nothing zeroc registers (gradient hooks on its flat buffers and sinks) keeps it."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    parallelize(model, zero=3)
+    state = model.__dict__["_zeroc_state"]
+    alive = [weakref.ref(state), *(weakref.ref(s.flat) for s in state.params)]
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(3, 4)).sum().backward()
+    model.set_requires_gradient_sync(True)
+    model(torch.randn(3, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    del model, state
+    gc.collect()
+    assert not any(ref() is not None for ref in alive)

@@ -59,9 +59,8 @@ def _apply(sharded: ShardedParam, state: ZeroState) -> None:
     """Give ``sharded``'s flat buffer its visible parameter's ``requires_grad``."""
     flag = sharded.visible.requires_grad
     sharded.flat.requires_grad_(flag)
-    if flag and not sharded.hooked:
-        sharded.flat.register_post_accumulate_grad_hook(sharded.move_grad)
-        sharded.hooked = True
+    if flag:
+        sharded.hook_flat()
     sharded.sink = None
     if flag and not state.requires_gradient_sync and state.pp == 1:
         sharded.open_sink(state)  # accumulating without sync: this one accumulates too

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -119,8 +120,32 @@ class ShardedParam:
             dtype = self.spec.reduce_dtype or self.flat.dtype
             zero = torch.zeros((), dtype=dtype, device=self.flat.device)
             self.sink = zero.expand(self.record.shape).requires_grad_()
-            self.sink.register_post_accumulate_grad_hook(
-                lambda sink: sink_accumulated(state, self, sink))
+            owner, model = weakref.ref(self), weakref.ref(state)
+
+            def accumulated(sink: torch.Tensor) -> None:
+                sharded, zero_state = owner(), model()
+                if sharded is not None and zero_state is not None:
+                    sink_accumulated(zero_state, sharded, sink)
+
+            self.sink.register_post_accumulate_grad_hook(accumulated)
+
+    def hook_flat(self) -> None:
+        """Register ``move_grad`` as ``flat``'s post-accumulate hook, once.
+
+        The hook holds this object weakly: torch keeps a tensor's hooks where Python's
+        collector cannot see them, so a strong reference back to the object that holds the
+        tensor would keep the whole model (its flat buffers, residuals) alive forever."""
+        if self.hooked:
+            return
+        owner = weakref.ref(self)
+
+        def move(flat: torch.Tensor) -> None:
+            sharded = owner()
+            if sharded is not None:
+                sharded.move_grad(flat)
+
+        self.flat.register_post_accumulate_grad_hook(move)
+        self.hooked = True
 
     def rows_stamp(self) -> tuple[int, int]:
         """The version counters every in-place write of this rank's rows advances: the flat
@@ -343,8 +368,7 @@ def install(owners: list[tuple[nn.Module, str]], sharded: ShardedParam) -> None:
     sharded.rows_version = sharded.rows_stamp()
     # A frozen parameter gets no gradient (one unfrozen later: ``zeroc.frontend.model_changes``).
     if sharded.flat.requires_grad:
-        sharded.flat.register_post_accumulate_grad_hook(sharded.move_grad)
-        sharded.hooked = True
+        sharded.hook_flat()
 
 
 def finish_modules(root: nn.Module, modules: dict[nn.Module, list[str]],
