@@ -25,10 +25,14 @@ bytes one rank sends per step over groups that span nodes (the data-parallel gro
 groups inside a node (hpZ's), as the plan counts them. The slow-link tool shapes one link for
 every rank, so a node boundary cannot be timed here: these are counts.
 
-``--quality STEPS`` instead trains a small GPT on a task it can learn (each sequence counts
-up from a random token by a stride drawn from 1-4, so the next token is predictable after
-two) for STEPS steps in ``exact`` and ``gather8_reduce4`` on the same batches, and prints
-both loss curves' start and end (the mean of the last 20 steps) and their relative gap.
+``--quality STEPS`` instead trains the model for STEPS steps on a task it can learn, in each
+of ``--quality-configs`` (default ``exact``, ``reduce8``, ``reduce4``, ``gather8_reduce4``) on
+the same batches, at each learning rate of ``--lrs``, and prints for each the training loss at
+the end (the mean of the last 20 steps), the loss on held-out batches after the last step,
+and their gaps to ``exact``. ``--task counting``: each sequence counts up from a random token
+by a stride drawn from 1-4 (the next token is predictable after two); ``--task markov``: a
+fixed random first-order Markov chain whose rows put most of their mass on a few tokens (the
+loss cannot fall below the chain's entropy, as on real text).
 """
 
 from __future__ import annotations
@@ -56,7 +60,12 @@ CONFIGS = {
     "gather8": {"gather_quant": "int8"},
     "gather8_reduce8": {"gather_quant": "int8", "reduce_quant": "int8"},
     "gather8_reduce4": {"gather_quant": "int8", "reduce_quant": "int4"},
+    "reduce8": {"reduce_quant": "int8"},
+    "reduce4": {"reduce_quant": "int4"},
 }
+QUALITY_CONFIGS = ("exact", "reduce8", "reduce4", "gather8_reduce4")
+TASKS = ("counting", "markov")
+HELD_OUT_BATCHES = 8
 MODELS = ("gpt", "llama")
 CROSS_NODE_CONFIGS = ("exact", "hpz", "gather8_reduce4", "gather8_reduce4_hpz")
 
@@ -96,6 +105,27 @@ def counting_batch(vocab: int, seq: int, batch: int, seed: int) -> tuple[torch.T
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def markov_batch(vocab: int, seq: int, batch: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Sequences of a fixed first-order Markov chain (the same chain for every seed): each
+    token's row of the transition matrix puts most of its mass on four tokens."""
+    chain = torch.Generator().manual_seed(12345)
+    logits = torch.randn(vocab, vocab, generator=chain)
+    favourites = torch.randint(0, vocab, (vocab, 4), generator=chain)
+    logits.scatter_add_(1, favourites, torch.full((vocab, 4), 4.0))
+    probs = torch.softmax(logits, dim=1)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
+    for t in range(seq):
+        tokens[:, t + 1] = torch.multinomial(probs[tokens[:, t]], 1, generator=generator)[:, 0]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def task_batch(task: str, args: argparse.Namespace, seed: int) -> tuple[torch.Tensor, ...]:
+    make = counting_batch if task == "counting" else markov_batch
+    return make(args.vocab, args.seq, args.batch, seed)
+
+
 def train_rank(rank: int, world: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
     import zeroc
 
@@ -108,7 +138,7 @@ def train_rank(rank: int, world: int, config: str, args: argparse.Namespace) -> 
     times, losses = [], []
     for step in range(steps):
         if args.quality:
-            tokens, targets = counting_batch(args.vocab, args.seq, args.batch, 1000 * step + rank)
+            tokens, targets = task_batch(args.task, args, 1000 * step + rank)
         else:
             tokens, targets = random_token_batch(args.vocab, args.seq, args.batch, None,
                                                  seed=1 + rank)
@@ -125,25 +155,47 @@ def train_rank(rank: int, world: int, config: str, args: argparse.Namespace) -> 
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     moved = sum(c.bytes for c in zeroc.explain(compiled).collectives)
+    held_out = None
+    if args.quality:  # batches no step trained on (seeds past every training seed)
+        model.eval()
+        total = torch.zeros(())
+        with torch.no_grad():
+            for index in range(HELD_OUT_BATCHES):
+                tokens, targets = task_batch(args.task, args, 10**7 + 100 * index + rank)
+                total += compiled(tokens, targets).detach()
+        dist.all_reduce(total)
+        held_out = total.item() / (world * HELD_OUT_BATCHES)
     return {"step_ms": statistics.median(times) * 1000 if times else None,
-            "losses": losses, "bytes": moved}
+            "losses": losses, "bytes": moved, "held_out": held_out}
 
 
 def run_quality(args: argparse.Namespace) -> dict[str, Any]:
-    curves = {}
-    for config in ("exact", "gather8_reduce4"):
-        ranks = run_ranks(train_rank, args.world, config, args, timeout=args.timeout)
-        curves[config] = ranks[0]["losses"]
+    configs = args.quality_configs.split(",")
     rows, out = [], {}
-    end = {c: statistics.fmean(v[-20:]) for c, v in curves.items()}
-    for config, losses in curves.items():
-        gap = end[config] / end["exact"] - 1
-        rows.append([config, f"{losses[0]:.4f}", f"{end[config]:.4f}", f"{100 * gap:+.2f}%"])
-        out[config] = {"start": losses[0], "end_mean_last_20": end[config], "gap": gap,
-                       "losses": losses}
-    print(tabulate(rows, headers=["config", "loss at step 1", f"mean of steps {args.quality - 19}"
-                                  f"-{args.quality}", "vs exact"], disable_numparse=True))
-    return {"quality": out, "steps": args.quality}
+    for lr in (float(v) for v in args.lrs.split(",")):
+        ends, held = {}, {}
+        for config in configs:
+            ranks = run_ranks(train_rank, args.world, config, argparse.Namespace(
+                **{**vars(args), "lr": lr}), timeout=args.timeout)
+            losses = ranks[0]["losses"]
+            ends[config] = statistics.fmean(losses[-20:])
+            held[config] = ranks[0]["held_out"]
+            out[f"{args.task} lr={lr:g} {config}"] = {
+                "start": losses[0], "end_mean_last_20": ends[config],
+                "held_out": held[config], "losses": losses}
+        for config in configs:
+            train_gap = ends[config] / ends["exact"] - 1
+            held_gap = held[config] / held["exact"] - 1
+            out[f"{args.task} lr={lr:g} {config}"].update(train_gap=train_gap,
+                                                           held_out_gap=held_gap)
+            rows.append([args.task, f"{lr:g}", config, f"{ends[config]:.4f}",
+                         f"{100 * train_gap:+.2f}%", f"{held[config]:.4f}",
+                         f"{100 * held_gap:+.2f}%"])
+    print(tabulate(rows, headers=["task", "lr", "config",
+                                  f"train loss, mean of steps {args.quality - 19}-{args.quality}",
+                                  "vs exact", "held-out loss", "vs exact"],
+                   disable_numparse=True))
+    return {"quality": out, "steps": args.quality, "task": args.task}
 
 
 def run_cross_node(args: argparse.Namespace) -> dict[str, Any]:
@@ -217,7 +269,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--repeats", type=int, default=3)
     add("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     add("--quality", type=int, default=0, metavar="STEPS",
-        help="train the counting task for STEPS steps instead of timing")
+        help="train --task for STEPS steps instead of timing")
+    add("--task", choices=TASKS, default="counting", help="--quality's task")
+    add("--lrs", default="1e-3", help="--quality: comma-separated learning rates")
+    add("--quality-configs", default=",".join(QUALITY_CONFIGS),
+        help="--quality: comma-separated configurations (exact first)")
     add("--cross-node", metavar="WORLD:PER_NODE",
         help="plan ZeRO-3 for WORLD GPUs in nodes of PER_NODE and count cross-node bytes")
     add("--timeout", type=float, default=1800, help="seconds per configuration run")
@@ -228,6 +284,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--configs: {unknown} not known; known: {list(CONFIGS)}")
     if args.quality:
         args.warmup = 0
+        chosen = args.quality_configs.split(",")
+        if chosen[0] != "exact" or any(c not in CONFIGS for c in chosen):
+            parser.error(f"--quality-configs: {chosen}: start with exact, then any of "
+                         f"{list(CONFIGS)}")
     return args
 
 
