@@ -4,19 +4,23 @@ An AST scan finds no module of the package that names a global planning state, a
 executors and compilers taking the world (or a strategy chosen from it) at construction.
 The stage runner and the group device are chosen from the world and the process group. Two
 worlds planned one after the other in one process (different devices, world sizes) each get
-their own ``SharedPlanning``: the second sees none of the first's fronts or stages.
+their own ``SharedPlanning``: the second sees none of the first's fronts or stages. Planning
+leaves the process's ``sys.excepthook`` as it was (no planned rank's prefix on a traceback),
+and an error raised while a rank is planned names that rank once.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from models.gpt import GPT, GPTConfig
+from torch import nn
 
 import zeroc
 import zeroc.world.plan_workers as plan_workers
@@ -125,3 +129,38 @@ def test_two_worlds_planned_in_turn_share_nothing(monkeypatch: pytest.MonkeyPatc
     assert not holders[0].front_only and not holders[1].front_only
     assert (first.meta.world_size, first.meta.device) == (4, "cpu")
     assert (second.meta.world_size, second.meta.device) == (8, "cuda (planned)")
+
+
+class _ReadsAValue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        return out.square().mean() if out.sum().item() > 0 else out.mean()
+
+
+def test_planning_leaves_one_rank_prefix_at_most(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """``init_process_group`` wraps ``sys.excepthook`` to put ``[rank<r>]: `` before every
+    line of an uncaught traceback; a world planned position by position wrapped it once per
+    fake group (the front and each position: ``[rank6]: [rank4]: [rank2]: [rank0]: [rank0]:``).
+    Planning now leaves the process's own hook: a traceback printed afterwards carries no
+    planned rank's prefix, and an error raised while a rank is planned names it in a note."""
+    monkeypatch.setattr(plan_workers, "planning_cores", lambda: 1)  # every position here
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    gpt = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32), seed=1)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    zeroc.explain(gpt, (tokens, tokens), world=8, pp=4, device="cpu")
+    assert sys.excepthook is sys.__excepthook__
+    try:
+        raise RuntimeError("after planning")
+    except RuntimeError as error:
+        sys.excepthook(type(error), error, error.__traceback__)
+    printed = capsys.readouterr().err
+    assert "RuntimeError: after planning" in printed and "[rank" not in printed, printed
+    with pytest.raises(ValueError, match="reads a tensor's value") as raised:
+        zeroc.explain(_ReadsAValue(), (torch.ones(4, 8),), world=2, zero=3, device="cpu")
+    assert raised.value.__notes__ == ["zeroc: raised while planning rank 0 of 2 (pp=1)"]
+    assert sys.excepthook is sys.__excepthook__

@@ -126,12 +126,14 @@ def test_screen_ranks_layouts_as_their_plans_do() -> None:
 def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> None:
     """``zeroc.tune(world=64, device="cuda", hardware="h100-sxm")`` on a Llama-7B-shaped model
     on the meta device: every candidate screened, the best planned in full, the winner the
-    best planned one that fits, and why it wins."""
+    best planned one that fits, its screened peak within 10% of its planned one, and why it
+    wins."""
     model = _llama(layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000,
                    seq=2048)
     tokens = torch.zeros(16, 2048, dtype=torch.long)
-    result = zeroc.tune(model, {"input_ids": tokens, "labels": tokens}, world=64,
-                        device="cuda", hardware="h100-sxm", cache_dir=str(tmp_path))
+    inputs = {"input_ids": tokens, "labels": tokens}
+    result = zeroc.tune(model, inputs, world=64, device="cuda", hardware="h100-sxm",
+                        cache_dir=str(tmp_path))
     assert not result.measured and not result.from_cache
     assert len(result.trials) == len(candidates(64, 16, hardware=get_profile("h100-sxm")))
     assert all(t.measured_s is None for t in result.trials)
@@ -143,6 +145,10 @@ def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> No
     best = min(fitting, key=lambda t: t.estimated_s)
     assert result.best == best.candidate and best.peak_bytes <= capacity
     assert best.candidate.pp > 1  # one GPU cannot hold a 7B step of 16 x 2048 tokens
+    screened = screen(profile_model(model, inputs, "cuda"), best.candidate, 64,
+                      get_profile("h100-sxm")).peak_bytes
+    assert 0.9 < screened / best.peak_bytes < 1.1, (best.candidate.label(), screened,
+                                                    best.peak_bytes)
     assert any(t.rejected.startswith("needs") for t in result.trials)
     why = result.why()
     for words in ("fit in memory", "bubble", "exposed communication", "next best"):

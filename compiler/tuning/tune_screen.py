@@ -7,23 +7,30 @@ to rank there. So, for a world that is not here, the tuner first screens them al
 and plans in full only the best few. The screen models, per candidate:
 
 - **stages**: the forward ops cut into the schedule's stages (``pp``, or ``2 pp`` for the
-  V-shaped schedules), in order, where the compiler's stage split cuts its units: the cut
-  that minimises the slowest stage's forward time (``zeroc.passes.stage_balance``'s
-  ``partition_costs``); each stage's parameters are those its ops read first, its saved
-  bytes those its ops' outputs autograd keeps.
+  V-shaped schedules), in order, where the compiler's stage split cuts: in front of the
+  model's repeated blocks (``ModelProfile.block_starts``), balanced on the same unit cost
+  with the same ``partition_costs`` (``zeroc.passes.stage_balance``); a model without
+  blocks between any ops, on their times. Each stage's parameters are those its ops read
+  first, its saved bytes those its ops' outputs autograd keeps.
 - **compute**: every op as a roofline on the profile (``estimate_compute_s``) at the
   micro-batch's rows, except elementwise ops, which a compiled graph fuses: each run of
   them is one kernel (one launch floor) that writes each op's output once; a stage's
   backward is its forward times the step's backward/forward ratio, split evenly into input
-  and weight gradients. The recomputing partitioner (``partitioner="min_cut"``) saves no
-  elementwise output; running those ops again fuses into the backward's kernels, which
-  read their inputs anyway, so it adds no time here (a plan of the compiled graphs finds
-  it a few percent faster, from fewer writes, or slower: the plan decides). The fused loss
-  (``fused_loss=True``) saves no logits-sized tensor and recomputes the ops that made
-  them, chunk by chunk, in the backward.
+  and weight gradients. The recomputing partitioner (``partitioner="min_cut"``) saves only
+  the elementwise outputs that cost fewer bytes to save than what recomputing them would
+  need saved instead (``OpRecord.recompute_saved``); running the others again fuses into
+  the backward's kernels, which read their inputs anyway, so it adds no time here (a plan of
+  the compiled graphs finds it a few percent faster, from fewer writes, or slower: the plan
+  decides); where the parameters are gathered in the graph (ZeRO-2/3 at pp=1) elementwise ops
+  that read one are not recomputed. The fused loss (``fused_loss=True``) saves no
+  logits-sized tensor of the loss head (``ModelProfile.head``: from the output projection
+  on; a long sequence's attention scores may be larger than the logits, and are saved) and
+  recomputes the head's ops that made them, chunk by chunk, in the backward; a model that
+  returns its logits beside the loss keeps them without a pipeline (nothing is fused).
 - **the pipeline**: the schedule run through the simulator (``zeroc.runtime.cost.simulate``) with
   these per-stage costs and the p2p time of one stage boundary's activation, which gives
-  the step's makespan, its bubble, and how many micro-batches each rank holds at once.
+  the step's makespan and its bubble; each rank's actions give the most saved bytes it
+  holds at once (``peak_held``: every micro-batch in flight holds its own stage's).
 - **ZeRO**: model state per rank (16 bytes per fp32 parameter: the parameter, its
   gradient, two AdamW moments; divided over the data-parallel ranks as ``state_bytes``
   says) and the collectives a step issues (ring model on the profile's links), exposed in
@@ -32,7 +39,9 @@ and plans in full only the best few. The screen models, per candidate:
   step: at ZeRO-3 without a pipeline the parameters of the op that runs and those
   prefetched; at ZeRO-2, and in a pipeline at ZeRO-3, the rank's whole parameters, and a
   pipeline's full gradients too (summed over the micro-batches, reduced once). The
-  backward's working set is two of the stage's largest outputs.
+  backward's working set is the profiled one (``ModelProfile.backward_working``: gradients
+  and temporaries alive at once; the loss head's apart, which the fused loss never makes),
+  and in a pipeline the full gradients a stage's backward hands to the step's sums.
 - **the optimizer**: AdamW's 28 bytes per parameter element a rank updates, at memory
   bandwidth.
 - **optimizer offload**: the device keeps the parameter shard (and, in the backward, the
@@ -52,12 +61,13 @@ full (``zeroc.world.world_plan``) and ranks them by their plans.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from zeroc.passes.schedule import build_schedule
-from zeroc.passes.stage_balance import partition_costs
+from zeroc.passes.stage_balance import FLOPS_PER_BYTE, partition_costs
 from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s
-from zeroc.runtime.cost.simulate import ActionCosts, simulate
+from zeroc.runtime.cost.simulate import ActionCosts, peak_held, simulate
 from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
 from zeroc.tuning.tune_space import Candidate
 from zeroc.world.model_profile import ModelProfile, OpRecord
@@ -102,46 +112,62 @@ class _Stage:
     forward_s: float
     loss_recompute_s: float  # what the fused loss runs again, chunk by chunk
     saved: int
-    saved_pointwise: int
-    saved_logits: int
-    saved_logits_pointwise: int
+    saved_recompute: int  # what a recomputing partitioner saves
+    saved_sharded: int  # the same where parameters are gathered in the graph
+    saved_logits: int  # of ``saved``, the logits-sized outputs of the loss head
+    saved_logits_recompute: int  # of ``saved_recompute``, the same
+    saved_logits_sharded: int  # of ``saved_sharded``, the same
     params: int
     largest_param_op: int
-    largest_output: int
 
 
-def _cut(times: list[float], stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` ranges of ``times``, one per stage, that minimise the
-    largest sum: the stage split's balance (``partition_costs``) on per-op times."""
-    if len(times) < stages:  # fewer ops than stages: one op each, empty stages at the end
-        return [(i, i + 1) for i in range(len(times))] + [(len(times), len(times))] * (
-            stages - len(times))
-    starts = partition_costs(times, stages)
-    return list(zip(starts, [*starts[1:], len(times)], strict=True))
+def _cut(profile: ModelProfile, times: list[float], stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges of the forward ops, one per stage, cut as the stage
+    split cuts: only in front of a block (``profile.block_starts``; what comes before the
+    first block goes with it), minimising the costliest stage (``partition_costs`` on the
+    stage balance's unit cost, FLOPs plus ``FLOPS_PER_BYTE`` per byte). Fewer blocks than
+    stages raise ``ValueError``, as the compiler does. A model without repeated blocks is cut
+    between any two ops, on their times."""
+    ops, count = profile.forward, len(times)
+    if profile.block_starts:
+        blocks = len(profile.block_starts)
+        if blocks < stages:
+            raise ValueError(f"the model has {blocks} blocks for {stages} pipeline stages; "
+                             "every stage needs at least one")
+        bounds = [0, *profile.block_starts[1:], count]
+        costs = [sum(op.flops + FLOPS_PER_BYTE * op.bytes for op in ops[a:b])
+                 for a, b in itertools.pairwise(bounds)]
+        starts = [bounds[i] for i in partition_costs(costs, stages)]
+    elif count < stages:  # fewer ops than stages: one op each, empty stages at the end
+        return [(i, i + 1) for i in range(count)] + [(count, count)] * (stages - count)
+    else:
+        starts = partition_costs(times, stages)
+    return list(zip(starts, [*starts[1:], count], strict=True))
 
 
 def _stages(profile: ModelProfile, times: list[float], count: int) -> list[_Stage]:
-    logits = profile.largest_output()
+    logits = profile.logits_bytes()
     found = []
-    for start, end in _cut(times, count):
+    for start, end in _cut(profile, times, count):
         ops: list[OpRecord] = list(profile.forward[start:end])
         op_s = times[start:end]
+        # The loss head's logits-sized outputs: what the fused loss neither saves nor keeps.
+        head = [start + i >= profile.head and logits > 0 and op.out_bytes * 2 >= logits
+                for i, op in enumerate(ops)]
         found.append(_Stage(
             end=end,
             forward_s=sum(op_s),
-            loss_recompute_s=sum(t for t, op in zip(op_s, ops, strict=True)
-                                 if logits and op.out_bytes * 2 >= logits),
+            loss_recompute_s=sum(t for t, h in zip(op_s, head, strict=True) if h),
             saved=sum(op.saved for op in ops),
-            saved_pointwise=sum(op.saved for op in ops if op.pointwise),
-            # logits-sized outputs the fused loss does not save (elementwise ones: counted
-            # once, with the recomputing partitioner's)
-            saved_logits=sum(op.saved for op in ops if logits and op.out_bytes * 2 >= logits
-                             and not op.pointwise),
-            saved_logits_pointwise=sum(op.saved for op in ops if op.pointwise and logits
-                                       and op.out_bytes * 2 >= logits),
+            saved_recompute=sum(op.recompute_saved for op in ops),
+            saved_sharded=sum(op.recompute_saved_sharded for op in ops),
+            saved_logits=sum(op.saved for op, h in zip(ops, head, strict=True) if h),
+            saved_logits_recompute=sum(op.recompute_saved
+                                       for op, h in zip(ops, head, strict=True) if h),
+            saved_logits_sharded=sum(op.recompute_saved_sharded
+                                     for op, h in zip(ops, head, strict=True) if h),
             params=sum(op.param_bytes for op in ops),
-            largest_param_op=max((op.param_bytes for op in ops), default=0),
-            largest_output=max((op.out_bytes for op in ops), default=0)))
+            largest_param_op=max((op.param_bytes for op in ops), default=0)))
     return found
 
 
@@ -184,11 +210,11 @@ def _times(ops: tuple[OpRecord, ...], scale: float, forward: bool, recompute: bo
                                             hardware))
             continue
         # One fused kernel per run of elementwise ops: one launch; it writes the run's
-        # result, and in the forward what the backward keeps (nothing elementwise when the
-        # partitioner recomputes it).
+        # result, and in the forward what the backward keeps (less when the partitioner
+        # recomputes elementwise ops).
         first = index == 0 or not ops[index - 1].pointwise
         last = index + 1 == len(ops) or not ops[index + 1].pointwise
-        written = last or (forward and op.saved and not recompute)
+        written = last or (forward and (op.recompute_saved if recompute else op.saved))
         seconds = op.out_bytes * scale / hardware.memory_bytes_per_s if written else 0.0
         found.append(max(seconds, hardware.launch_floor_s) if first else seconds)
     return found
@@ -237,16 +263,18 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
 
     recompute = options.get("partitioner", "min_cut") == "min_cut"
     ratio, stages = _costed(profile, scale, recompute, stage_count, dtype, hardware)
-    fused = bool(options.get("fused_loss", True))
+    # A graph that outputs the logits keeps them: only a pipeline drops the other outputs.
+    fused = bool(options.get("fused_loss", True)) and (pp > 1 or not profile.logits_returned)
+    sharded = zero >= 2 and pp == 1  # the parameters are gathered inside the graph
     costs, saved = [], []
     for stage in stages:
         backward = stage.forward_s * ratio
         backward += stage.loss_recompute_s if fused else 0.0
         costs.append((stage.forward_s, backward, backward / 2))
-        kept = stage.saved - (stage.saved_pointwise if recompute else 0)
-        if fused:
-            kept -= stage.saved_logits + (0 if recompute else stage.saved_logits_pointwise)
-        saved.append(max(0, int(kept * scale)))
+        kept, logits = ((stage.saved, stage.saved_logits) if not recompute else
+                        (stage.saved_sharded, stage.saved_logits_sharded) if sharded else
+                        (stage.saved_recompute, stage.saved_logits_recompute))
+        saved.append(max(0, int((kept - (logits if fused else 0)) * scale)))
     inter_node = dp > hardware.devices_per_node
     schedule = build_schedule(schedule_name, pp, microbatches) if pp > 1 else None
     if schedule is not None:
@@ -257,10 +285,8 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
         timeline = simulate(schedule, ActionCosts(stages=tuple(costs), p2p_latency=p2p))
         compute_s, bubble = timeline.makespan, max(
             timeline.bubble_ratio(r) for r in range(pp))
-        in_flight = timeline.peak_activations
     else:
         compute_s, bubble = costs[0][0] + costs[0][1], 0.0
-        in_flight = (1,)
     steps, peaks, states, exposed_all, optimizer_all = [], [], [], [], []
     for rank in range(pp):
         mine = _placement(schedule, rank, stage_count)
@@ -286,11 +312,17 @@ def screen(profile: ModelProfile, candidate: Candidate, world: int, hardware: An
         optimizer_s = elements * ADAMW_BYTES_PER_ELEMENT / hardware.memory_bytes_per_s
         if candidate.offload:
             optimizer_s = offload_step_s(elements)
-        activations = max(saved[s] for s in mine) * in_flight[rank]
-        if not fused and stage_count - 1 in mine:  # the logits' gradient, while it lives
-            activations += int(profile.largest_output() * scale)
-        # The backward's working set: an op's output gradient and its input's, at once.
-        activations += 2 * int(max(stages[s].largest_output for s in mine) * scale)
+        # What the micro-batches in flight hold at once, each its own stage's.
+        activations = saved[0] if schedule is None else peak_held(
+            schedule.compute_actions(rank), saved.__getitem__)
+        # The backward's working set, as profiled: the loss head's (the logits' gradient)
+        # where the last stage runs without the fused loss, which never makes it.
+        working = profile.backward_working
+        if not fused and stage_count - 1 in mine:
+            working = max(working, profile.head_working)
+        activations += int(working * scale)
+        if pp > 1:  # the full gradients a stage's backward hands to the step's sums
+            activations += max(stages[s].params for s in mine)
         gathered = 0
         if zero == 3 and pp == 1:
             gathered = max(stages[s].largest_param_op for s in mine) * (

@@ -87,7 +87,8 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
     """Rank ``space`` for a ``world``-rank job on ``hardware`` without the cluster (see the
     module docstring). When no candidate fits the device, the layouts that can offload the
     optimizer are ranked again offloading it (``offload_variants``); only if none of those
-    fits either does it raise."""
+    fits either does it raise ``NothingFits``, naming the smallest peak without offload and
+    the smallest with it."""
     try:
         return _rank(model, example_inputs, space, world=world, device=device,
                      hardware=hardware, budget_s=budget_s, plan_best=plan_best, path=path,
@@ -98,9 +99,15 @@ def tune_world(model: nn.Module, example_inputs: Any, space: list[Candidate], *,
             raise
         log.warning("zeroc.tune: no layout fits on %s without optimizer offload (%s); "
                     "ranking %d layouts that offload it", device, error, len(offloaded))
-        result = _rank(model, example_inputs, offloaded, world=world, device=device,
-                       hardware=hardware, budget_s=budget_s, plan_best=plan_best, path=path,
-                       progress=progress)
+        try:
+            result = _rank(model, example_inputs, offloaded, world=world, device=device,
+                           hardware=hardware, budget_s=budget_s, plan_best=plan_best,
+                           path=path, progress=progress)
+        except NothingFits as again:  # the layouts without offload said how close they came
+            peaks = [t.peak_bytes for t in again.trials if t.peak_bytes]
+            tail = (f"; offloading the optimizer, the smallest peak is "
+                    f"{human_bytes(min(peaks))}" if peaks else "")
+            raise NothingFits(f"{error}{tail}", [*error.trials, *again.trials]) from None
         return dataclasses.replace(result, trials=(*error.trials, *result.trials))
 
 

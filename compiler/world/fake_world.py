@@ -21,6 +21,14 @@ The model may be on the meta device (nothing is ever allocated: fake tensors hol
 or on the CPU (it is copied to meta first; the user's model is not touched). Values never
 exist, so nothing here can depend on them: a model whose forward reads a tensor's value
 (``.item()``, data-dependent control flow) is refused, naming the op.
+
+A planned rank is not a rank of this process: ``init_process_group`` wraps ``sys.excepthook``
+so that an uncaught traceback prints behind ``[rank<r>]:``, and one wrap per planned position
+would nest a prefix per position (``[rank56]: [rank0]: [rank48]: ...``), none of them the
+failing one's. ``fake_world`` puts the process's own hook back, so a traceback carries at most
+the prefix of this process's own rank; an error raised while a rank is planned names that
+rank in a note instead (``plan_position``). Log lines inside a fake world carry torch's one
+``[rank<r>]:`` (the planned rank) under ``TORCH_LOGS``, as a real rank's do.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -89,7 +98,9 @@ def fake_world(rank: int, world: int, pp: int, device: str) -> Iterator[FakeTens
     # The fake backend for the devices the planned job's group serves, as torch configures a
     # real one ("cpu:gloo,cuda:nccl"): group_device() reads the planned device from it.
     backend = "cpu:fake,cuda:fake" if device == "cuda" else "cpu:fake"
+    hook = sys.excepthook  # torch wraps it with this planned rank's prefix (module docstring)
     dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
+    sys.excepthook = hook
     from zeroc.runtime.mesh import build_mesh
 
     build_mesh(pp, None, device)  # on real tensors (it reads its rank table); parallelize reuses it
@@ -277,14 +288,33 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
     """Plan global rank ``rank`` of a ``world``-rank job: one fake training step.
 
     ``trace``: with ``pp > 1``, Dynamo's graph shared by the positions of one world
-    (``zeroc.world.plan_capture``): taken here if it is empty, compiled here if it can be reused."""
-
-    import zeroc
-    from zeroc.frontend.session_plan import build_plan
-
+    (``zeroc.world.plan_capture``): taken here if it is empty, compiled here if it can be reused.
+    An error raised here names the planned rank in a note (the module docstring says why)."""
     started = time.perf_counter()
     replica = meta_copy(model)
     planned = planned_world(rank, world, pp, device, shared)
+    try:
+        plan, memory, p2p = _planned_step(replica, example_inputs, planned, device,
+                                          zero=zero, options=options,
+                                          mixed_precision=mixed_precision, trace=trace,
+                                          offload=offload)
+    except Exception as error:
+        error.add_note(f"zeroc: raised while planning rank {rank} of {world} (pp={pp})")
+        raise
+    seconds = time.perf_counter() - started
+    log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)
+    return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds, p2p=p2p)
+
+
+def _planned_step(replica: nn.Module, example_inputs: Any, planned: PlannedWorld,
+                  device: str, *, zero: int, options: dict | None,
+                  mixed_precision: Any, trace: SharedTrace | None,
+                  offload: str | None) -> tuple[Any, dict[str, int], P2PRecord | None]:
+    """``plan_position``'s fake world and step: (the plan, the memory row, the transfers)."""
+    import zeroc
+    from zeroc.frontend.session_plan import build_plan
+
+    rank, world, pp = planned.rank, planned.world_size, planned.pp
     with fake_world(rank, world, pp, device) as _:
         args, kwargs = _fake_inputs(example_inputs, planned.device)
         parallel = zeroc.parallelize(replica, zero=zero, pp=pp, mixed_precision=mixed_precision,
@@ -308,9 +338,7 @@ def plan_position(model: nn.Module, example_inputs: Any, *, rank: int, world: in
             _explain_value_read(error)
             raise
         plan = zeroc.explain(compiled) if session is None else build_plan(session)
-    seconds = time.perf_counter() - started
-    log.info("planned rank %d of %d (pp=%d) in %.1f s", rank, world, pp, seconds)
-    return PositionPlan(rank=rank, plan=plan, memory=memory, seconds=seconds, p2p=p2p)
+    return plan, memory, p2p
 
 
 def share_front(model: nn.Module, example_inputs: Any, *, world: int, pp: int, zero: int,

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 import weakref
 from typing import Any
@@ -221,7 +222,9 @@ def _time_adamw(numels: list[int], dtensor: bool) -> float | None:
 
                 from zeroc.runtime.torch_compat import FakeStore
 
+                hook = sys.excepthook  # torch wraps it with a rank prefix: not this process's
                 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+                sys.excepthook = hook
                 made_group = True
                 mesh = init_device_mesh("cpu", (2,))
                 params, grads = ([DTensor.from_local(t, mesh, [Shard(0)], run_check=False)

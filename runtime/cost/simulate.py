@@ -23,12 +23,15 @@ give 0 on 1F1B's last rank: it starts late and ends early, yet is held for the w
 
 Activations. Per rank, ``F`` holds one micro-batch's activations of its stage until the
 backward frees them: ``B`` frees, ``I`` keeps them (the weight gradient still needs them),
-``W`` frees; ``FB`` counts as its forward and then its backward.
+``W`` frees; ``FB`` counts as its forward and then its backward. ``peak_held`` weighs each
+micro-batch by what its stage holds (a V-shaped schedule's rank holds many micro-batches of
+one stage and few of the other).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from zeroc.runtime.actions import Action, ActionKind, DataKey, Schedule, data_inputs, data_output
 
@@ -182,12 +185,18 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Timeline:
 
 def peak_activations(actions: tuple[Action, ...]) -> int:
     """The most micro-batch activations one rank holds at once while running ``actions``."""
+    return peak_held(actions, lambda stage: 1)
+
+
+def peak_held(actions: tuple[Action, ...], held: Callable[[int], int]) -> int:
+    """The most one rank holds at once while running ``actions`` when a forward of stage
+    ``s`` holds ``held(s)`` until its backward frees it (as ``peak_activations`` counts)."""
     live = peak = 0
     for action in actions:
         for part in action.parts():
             if part.kind is ActionKind.F:
-                live += 1
+                live += held(part.stage)
                 peak = max(peak, live)
             elif part.kind in (ActionKind.B, ActionKind.W):
-                live -= 1
+                live -= held(part.stage)
     return peak
