@@ -1,8 +1,8 @@
-"""What one GPU can check unattended, in under 8 minutes, written to one JSON file.
+"""What one GPU can check unattended, in under 13 minutes, written to one JSON file.
 
     python benchmarks/gpu_check.py --out $OUT
 
-runs six sections (``benchmarks/gpu_checks/``) on the zoo GPT of ``tests/models`` (default:
+runs eight sections (``benchmarks/gpu_checks/``) on the zoo GPT of ``tests/models`` (default:
 width 768, 12 layers, 12 heads, sequence 1024, vocabulary 32768, batch 8: about 110M
 parameters, bf16):
 
@@ -19,9 +19,19 @@ parameters, bf16):
 - ``memory``: ``torch.cuda.max_memory_allocated`` of the zeroc step against the plan's per-rank
   peak (``zeroc.explain``);
 - ``syncs``: host synchronizations per steady step (``torch.cuda.set_sync_debug_mode("warn")``
-  over steps 3-5) of eager, zeroc and zeroc ZeRO-3.
+  over steps 3-5) of eager, zeroc and zeroc ZeRO-3;
+- ``collectives``: zeroc's collective paths on the one device. At world 1 ZeRO-3 issues no
+  collective (a group of one rank only reshapes) and NCCL refuses two ranks on one GPU, so
+  the check keeps zeroc's collectives on the world-1 NCCL group (a switch of the check only,
+  ``gpu_checks.paths.kept_collectives``): ZeRO-3, quantized collectives (``gather_quant`` and
+  ``reduce_quant`` int8) and optimizer offload, each against eager's losses, with the
+  collectives each compiled and its host syncs;
+- ``pipeline``: a pp = 2 DualPipeV pipeline's compiled stage programs on the one device, its
+  two positions in turn in a child process as ranks of a world-2 ``fake`` group (transfers
+  move no data, so values are not checked): every step runs, and the host waits for the
+  device only where README says a pipelined call does.
 
-Each section has a budget (``gpu_checks.SECTIONS``, 420 s in all; ``--time-budget-s`` is the
+Each section has a budget (``gpu_checks.SECTIONS``, 690 s in all; ``--time-budget-s`` is the
 overall one); a section starts only while enough of the overall budget is left, else it is
 skipped with the reason. A section that raises is recorded (type, message, traceback) and the
 others still run. The JSON (``--out DIR`` writes ``DIR/gpu_check.json``; ``--json PATH`` a path
@@ -30,8 +40,8 @@ the environment (torch, CUDA, Triton, NCCL versions, the GPU), the settings, and
 its ``status`` (``ok``, ``check_failed``, ``error``, ``skipped``), reason, error, budget, wall
 time and figures. Exit status 0 when no section raised or failed its check, else 1. Without a
 CUDA device every section is skipped for that reason, the JSON says so, and the exit status
-is 0. ``--cpu-smoke`` runs the sections that can run on a CPU tiny, in fp32 with a gloo group,
-to check the script itself:
+is 0. ``--cpu-smoke`` runs the sections that can run on a CPU tiny, in fp32 with a gloo group
+(the pipeline's fake group on the CPU), to check the script itself:
 
     python benchmarks/gpu_check.py --cpu-smoke --out $OUT
 """
@@ -101,8 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sized("batch", int, "sequences per step")
     sized("steps", int, "train: timed interleaved rounds")
     sized("warmup", int, "train: untimed rounds after each variant's first (compiling) step")
-    sized("probe-steps", int, "zero3/memory/syncs: steps of each probe run (syncs are "
-          "counted on steps 3-5)")
+    sized("probe-steps", int, "zero3/memory/syncs/collectives/pipeline: steps of each probe "
+          "run (syncs are counted on steps 3-5)")
     add("--dtype", choices=sorted(DTYPES), default=None,
         help=f"compute dtype: bf16 autocast, or fp32 (default {GPU_DEFAULTS['dtype']}; "
         f"--cpu-smoke: {SMOKE_DEFAULTS['dtype']})")

@@ -77,6 +77,9 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 UNSHARD = torch.ops.zeroc.unshard.default
 REDUCE_GRAD = torch.ops.zeroc.reduce_grad.default
+# Marks over a group of fewer ranks only reshape (a group of one moves nothing); the GPU check
+# (benchmarks/gpu_checks/paths.py) sets 1 to run a world-1 group's collectives on one device.
+COLLECTIVE_MIN_RANKS = 2
 
 
 @dataclasses.dataclass
@@ -174,7 +177,8 @@ def _lower_unshards(gm: torch.fx.GraphModule, ctx: PassContext, cap: int,
                     prefetch: int) -> int:
     # Stages 0 and 1 keep whole parameters: their unshard only reshapes, nothing to gather.
     marks = [n for n in gm.graph.nodes if n.target is UNSHARD
-             and n.args[4] not in WHOLE_STAGES and group_size(n.args[3]) > 1]
+             and n.args[4] not in WHOLE_STAGES
+             and group_size(n.args[3]) >= COLLECTIVE_MIN_RANKS]
     if not marks:
         return 0
     nodes = list(gm.graph.nodes)
@@ -285,7 +289,8 @@ def _merge_tied_reductions(gm: torch.fx.GraphModule) -> int:
 
 
 def _lower_reduce_grads(gm: torch.fx.GraphModule, ctx: PassContext, cap: int) -> int:
-    marks = [n for n in gm.graph.nodes if n.target is REDUCE_GRAD and group_size(n.args[2]) > 1]
+    marks = [n for n in gm.graph.nodes if n.target is REDUCE_GRAD
+             and group_size(n.args[2]) >= COLLECTIVE_MIN_RANKS]
     if not marks:
         return 0
     def first_user(node: torch.fx.Node) -> int:
@@ -402,7 +407,7 @@ def _lower_whole_unshards(gm: torch.fx.GraphModule) -> int:
     build = NodeBuilder(gm)
     lowered = 0
     for mark in [n for n in gm.graph.nodes if n.target is UNSHARD]:
-        if mark.args[4] not in WHOLE_STAGES and group_size(mark.args[3]) > 1:
+        if mark.args[4] not in WHOLE_STAGES and group_size(mark.args[3]) >= COLLECTIVE_MIN_RANKS:
             continue
         shard, shape, numel = mark.args[0], list(mark.args[1]), mark.args[2]
         with gm.graph.inserting_before(mark):

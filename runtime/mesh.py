@@ -253,18 +253,18 @@ _HOST_DP_MESHES: dict[str, Any] = {}
 
 
 def host_dp_mesh(mesh: Mesh) -> Any:
-    """A DeviceMesh of ``mesh``'s data-parallel ranks that takes CPU tensors (``None`` when
-    dp is 1; pp must be 1): the dp mesh itself when it is a CPU one, else one over a gloo
-    group of the same ranks (collective: every rank makes it), declared a host group
-    (``nccl_devices.host_group``). Optimizer offload places the visible parameters there, so
-    DTensor collectives on them (a gradient norm, a full tensor) never hand CPU tensors to an
-    NCCL group."""
+    """A DeviceMesh of ``mesh``'s data-parallel ranks that takes CPU tensors (``None``
+    without a process group; pp must be 1): the dp mesh itself when it is a CPU one, else one
+    over a gloo group of the same ranks (collective: every rank makes it), declared a host
+    group (``nccl_devices.host_group``). Optimizer offload places the visible parameters
+    there, so DTensor collectives on them (a gradient norm, a full tensor) never hand CPU
+    tensors to an NCCL group. A world-1 group's (dp 1, no group name) is made per call."""
     device_mesh = mesh.dp_device_mesh
-    if device_mesh is None or mesh.dp == 1:
+    if device_mesh is None:
         return None
     if device_mesh.device_type == "cpu":
         return device_mesh
-    cached = _HOST_DP_MESHES.get(mesh.dp_group_name)
+    cached = _HOST_DP_MESHES.get(mesh.dp_group_name) if mesh.dp_group_name else None
     if cached is not None:
         return cached
     from torch.distributed.device_mesh import DeviceMesh
@@ -279,5 +279,6 @@ def host_dp_mesh(mesh: Mesh) -> Any:
     with disable_current_modes():  # a planned world's fake tensor mode: the mesh is real
         host_mesh = DeviceMesh.from_group(mine, "cpu", mesh_dim_names=("dp",))
     shutdown.track_device_mesh(host_mesh)
-    _HOST_DP_MESHES[mesh.dp_group_name] = host_mesh
+    if mesh.dp_group_name:
+        _HOST_DP_MESHES[mesh.dp_group_name] = host_mesh
     return host_mesh

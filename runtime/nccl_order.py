@@ -2,15 +2,26 @@
 then match it the way NCCL would.
 
 gloo matches a send with its receive by tag, on background threads, in whatever order the
-two sides post them; NCCL does not. ProcessGroupNCCL runs a pair of ranks' ``isend`` and
-``irecv`` calls on one stream per pair, in the order they were issued, and each one waits on
-the stream until the peer's matching call runs: the k-th send from ``a`` to ``b`` meets the
-k-th receive at ``b`` from ``a``, and an unmatched receive blocks every transfer queued behind
-it on that pair. A ``batch_isend_irecv`` group is launched as one unit (``ncclGroupStart`` /
-``ncclGroupEnd``): its transfers progress together, each finishing when its counterpart
-runs, and the group holds each pair it touches until all of them have. So an order that runs on
-gloo can hang on a GPU cluster (1F1B at pp=2 posting ``send F0, recv B0, send F1`` on one rank
-against ``recv F0, recv F1, send B0`` on the other).
+two sides post them; NCCL does not. It matches in issue order on each communicator: the k-th
+send from ``a`` to ``b`` meets the k-th receive at ``b`` from ``a``, and each transfer runs on a
+CUDA stream, waiting there until its counterpart runs. Which communicator and stream is
+torch's choice (``ProcessGroupNCCL``):
+
+- a ``batch_isend_irecv`` group (every transfer zeroc issues) is one NCCL group call
+  (``ncclGroupStart`` / ``ncclGroupEnd``) on the process group's communicator for the device,
+  whatever the peers, and its stream: one stream per (process group, device) on a rank. The
+  rank's groups therefore run one after another, in issue order, whichever peers they touch:
+  a group waits for the one before it to finish even when the two share no peer. A group's
+  transfers progress together, each finishing when its counterpart runs, and the group ends
+  once all have.
+- a lone ``isend`` / ``irecv`` runs on a communicator of its own pair of ranks and that
+  pair's stream: lone transfers to different peers do not wait for each other.
+
+So an order that runs on gloo can hang on a GPU cluster (1F1B at pp=2 posting ``send F0, recv
+B0, send F1`` on one rank against ``recv F0, recv F1, send B0`` on the other), and one that
+would run with a stream per peer can hang on the shared stream (three ranks, each batching a
+send to the next before a receive from the previous: every rank's send waits for a receive
+queued behind its peer's own send).
 
 ``recording()`` collects, per process, every transfer ``zeroc.runtime.p2p`` issues (peer,
 shape, dtype, device, and which batch it belongs to). ``find_deadlock`` takes every rank's
@@ -29,7 +40,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 __all__ = ["P2PDeadlockError", "P2PRecord", "Transfer", "check", "find_deadlock", "record",
-           "recording", "waited"]
+           "recording", "stream_of", "waited"]
 
 
 class P2PDeadlockError(RuntimeError):
@@ -126,30 +137,43 @@ def _units(transfers: Sequence[Transfer]) -> list[list[int]]:
     return units
 
 
+def stream_of(transfer: Transfer) -> tuple[str, object]:
+    """The communicator (and its stream) ``transfer`` runs on, on its rank: a batched one on
+    the process group's communicator of its device, shared with every other batch of that
+    rank; a lone one on its pair's own (module docstring). zeroc issues every transfer on the
+    default process group, so the device names the communicator."""
+    if transfer.batch is not None:
+        return ("group", transfer.device)
+    return ("pair", transfer.peer)
+
+
 def find_deadlock(records: Mapping[int, P2PRecord], shown: int = 4) -> str | None:
     """Play NCCL's matching on every rank's issued transfers (module docstring); ``None``
     when all complete, else a report of what each waiting rank is stuck on.
 
-    The k-th send from ``a`` to ``b`` is the counterpart of the k-th receive at ``b`` from
-    ``a``. A launch unit (a batch, or one transfer) runs once it is the first unfinished unit
-    of its rank on every pair of ranks it touches (one stream per pair) and the transfers the
-    rank waited for before issuing it are complete; a transfer completes once its unit and
-    its counterpart's unit both run, and a unit once all its transfers have (NCCL progresses
-    a group's transfers together, each finishing with its own counterpart)."""
+    On each communicator the k-th send from ``a`` to ``b`` is the counterpart of the k-th
+    receive at ``b`` from ``a`` (``stream_of``: batched transfers on the process group's, lone
+    ones on their pair's). A launch unit (a batch, or one transfer) runs once it is the first
+    unfinished unit of its rank on its stream (one per communicator: all of a rank's batches
+    share one) and the transfers the rank waited for before issuing it are complete; a
+    transfer completes once its unit and its counterpart's unit both run, and a unit once all
+    its transfers have (NCCL progresses a group's transfers together, each finishing with
+    its own counterpart)."""
     transfers = {r: rec.transfers for r, rec in records.items()}
     units = {r: _units(t) for r, t in transfers.items()}
     unit_of = {(r, i): u for r in records for u, members in enumerate(units[r])
                for i in members}
-    # Counterparts: per direction, sends and receives in issue order.
-    outgoing: dict[tuple[int, int], list[int]] = {}
-    incoming: dict[tuple[int, int], list[int]] = {}
+    # Counterparts: per communicator kind and direction, sends and receives in issue order.
+    outgoing: dict[tuple[bool, int, int], list[int]] = {}
+    incoming: dict[tuple[bool, int, int], list[int]] = {}
     for rank, listed in transfers.items():
         for i, t in enumerate(listed):
-            (outgoing if t.send else incoming).setdefault((rank, t.peer), []).append(i)
+            (outgoing if t.send else incoming).setdefault(
+                (t.batch is not None, rank, t.peer), []).append(i)
     counterpart: dict[tuple[int, int], tuple[int, int]] = {}
     problems: list[str] = []
-    for (src, dst), sends in outgoing.items():
-        recvs = incoming.get((dst, src), []) if dst in records else []
+    for (batched, src, dst), sends in outgoing.items():
+        recvs = incoming.get((batched, dst, src), []) if dst in records else []
         for i, j in zip(sends, recvs, strict=False):
             mine, theirs = transfers[src][i], transfers[dst][j]
             if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
@@ -157,23 +181,25 @@ def find_deadlock(records: Mapping[int, P2PRecord], shown: int = 4) -> str | Non
                                 f"{theirs.describe()} {theirs.dtype}: shapes or dtypes differ")
                 continue
             counterpart[(src, i)], counterpart[(dst, j)] = (dst, j), (src, i)
-    # Per rank and peer: the units touching that pair, in issue order (the pair's stream).
-    streams: dict[tuple[int, int], list[int]] = {}
+    # Per rank and stream: the units on it, in issue order.
+    streams: dict[tuple[int, tuple[str, object]], list[int]] = {}
+    unit_streams: dict[tuple[int, int], list[tuple[int, tuple[str, object]]]] = {}
     for rank in records:
         for u, members in enumerate(units[rank]):
-            for peer in dict.fromkeys(transfers[rank][i].peer for i in members):
-                streams.setdefault((rank, peer), []).append(u)
+            keys = [(rank, key) for key in dict.fromkeys(
+                stream_of(transfers[rank][i]) for i in members)]
+            unit_streams[(rank, u)] = keys
+            for key in keys:
+                streams.setdefault(key, []).append(u)
     position = dict.fromkeys(streams, 0)
     finished = {r: [False] * len(units[r]) for r in records}
 
     def running(rank: int, u: int) -> bool:
-        members = units[rank][u]
-        first = transfers[rank][members[0]]
+        first = transfers[rank][units[rank][u][0]]
         if not all(finished[rank][unit_of[(rank, w)]]
                    for w in records[rank].waits[:first.waits_before]):
             return False
-        return all(streams[(rank, transfers[rank][i].peer)][position[
-            (rank, transfers[rank][i].peer)]] == u for i in members)
+        return all(streams[key][position[key]] == u for key in unit_streams[(rank, u)])
 
     done = {r: [False] * len(t) for r, t in transfers.items()}
     progress = True
@@ -192,9 +218,9 @@ def find_deadlock(records: Mapping[int, P2PRecord], shown: int = 4) -> str | Non
         for rank in records:
             for u, members in enumerate(units[rank]):
                 if not finished[rank][u] and all(done[rank][i] for i in members):
-                    finished[rank][u] = True  # the pair's stream moves on
-                    for peer in dict.fromkeys(transfers[rank][i].peer for i in members):
-                        position[(rank, peer)] += 1
+                    finished[rank][u] = True  # its stream moves on
+                    for key in unit_streams[(rank, u)]:
+                        position[key] += 1
                     progress = True
     stuck = {r: [transfers[r][i] for u, members in enumerate(units[r]) if not finished[r][u]
                  for i in members] for r in records}
@@ -217,4 +243,5 @@ def check(records: Mapping[int, P2PRecord], what: str) -> None:
         raise P2PDeadlockError(
             f"zeroc: {what}: the pipeline's point-to-point transfers would deadlock under "
             "NCCL, which matches a pair's sends and receives in the order each rank issues "
-            f"them (gloo matches by tag and hides this):\n{report}")
+            "them and runs a rank's batched groups one after another on one stream (gloo "
+            f"matches by tag and hides this):\n{report}")

@@ -100,6 +100,34 @@ def test_under_torchrun_the_world_is_torchruns(monkeypatch: pytest.MonkeyPatch,
     assert "--nproc 4 does not match torchrun's WORLD_SIZE 2" in capsys.readouterr().err
 
 
+def test_nccl_ranks_bind_their_group_to_their_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every launcher passes ``device_id=cuda:LOCAL_RANK`` to ``init_process_group``
+    (torchrun's ranks and the local ones alike); gloo on the CPU gets none."""
+    calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 4)
+    _fake_gpus(monkeypatch, 2)
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"),
+                        ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    assert local_ranks.init_from_torchrun("cuda") == (3, 4)
+    assert calls[-1] == (("nccl",), {"device_id": torch.device("cuda", 1)})
+    local_ranks.init_from_torchrun("cpu")
+    assert calls[-1] == (("gloo",), {})
+    from zeroc.cli import _rank_processes
+
+    store = object()
+    _rank_processes.init_group("cuda", 1, store=store, rank=1, world_size=2)
+    assert calls[-1] == (("nccl",), {"store": store, "rank": 1, "world_size": 2,
+                                     "device_id": torch.device("cuda", 1)})
+    _rank_processes.init_group("cpu", 1, store=store, rank=1, world_size=2)
+    assert calls[-1] == (("gloo",), {"store": store, "rank": 1, "world_size": 2})
+
+
 def _fail_on_rank_1(rank: int, world: int, message: str) -> int:
     if rank == 1:
         raise RuntimeError(message)

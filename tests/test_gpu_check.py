@@ -21,10 +21,12 @@ import warnings
 
 import pytest
 import torch
+from test_gpu_paths_check import check_path_sections
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "gpu_check.py")
-SECTIONS = ("train", "kernels", "fused_loss", "zero3", "memory", "syncs")
+SECTIONS = ("train", "kernels", "fused_loss", "zero3", "memory", "syncs", "collectives",
+            "pipeline")
 FLAGS = ("--out", "--json", "--sections", "--time-budget-s", "--d-model", "--n-layer",
          "--n-head", "--seq", "--vocab", "--batch", "--steps", "--warmup", "--probe-steps",
          "--dtype", "--lr", "--configs", "--zero3-precision", "--kernel-rows", "--kernel-cols",
@@ -347,8 +349,10 @@ def test_memory_kernel_and_fused_loss_figures() -> None:
 
 @pytest.mark.timeout(200)
 def test_cpu_smoke_runs_every_cpu_section(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--cpu-smoke trains eager and zeroc, runs the fused loss, ZeRO-3 on a world-1 gloo group
-    and the memory probe; losses agree with eager's; the CUDA-only sections are skipped."""
+    """--cpu-smoke trains eager and zeroc, runs the fused loss, ZeRO-3 on a world-1 gloo group,
+    the memory probe, ZeRO-3 (exact, quantized, offloaded) with its collectives kept on that
+    group and both positions of a pp=2 pipeline on the CPU; losses agree with eager's; the
+    CUDA-only sections are skipped."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # restored after
     threads = torch.get_num_threads()
     try:
@@ -374,6 +378,7 @@ def test_cpu_smoke_runs_every_cpu_section(tmp_path, monkeypatch: pytest.MonkeyPa
     assert len(zero3["zero3_losses"]) == payload["settings"]["probe_steps"]
     memory = sections["memory"]["figures"]["configs"]
     assert memory["zeroc"]["plan_peak_bytes"] > 0 and memory["zeroc_zero3"]["plan_peak_bytes"] > 0
+    check_path_sections(sections)  # collectives kept on the world-1 group; the pipeline
 
 
 @pytest.mark.slow

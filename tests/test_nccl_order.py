@@ -1,7 +1,9 @@
 """NCCL's point-to-point ordering, checked on a CPU (``zeroc.runtime.nccl_order``).
 
-NCCL runs a pair of ranks' transfers on one stream in issue order, each waiting for its
-counterpart; gloo matches by tag and hides an order NCCL would hang on. The matcher plays
+NCCL matches a pair's transfers in issue order, each waiting on its stream for its
+counterpart, and runs all of a rank's ``batch_isend_irecv`` groups on one stream (the process
+group's communicator for the device); gloo matches by tag and hides an order NCCL would hang
+on. The matcher plays
 NCCL's rules on what each rank issued; a planned world (``zeroc.explain(world=...)``) runs
 the real pipeline executors on fake CUDA tensors, records every transfer and wait, and
 refuses an order that would deadlock. Every schedule at pp 2, 4 and 8, two micro-batch
@@ -53,6 +55,31 @@ def test_the_issue_order_of_single_transfers_deadlocks_and_batches_do_not() -> N
                    (True, 0, 3, "B1")),
     }
     assert find_deadlock(grouped) is None
+
+
+def test_a_ranks_batches_share_one_stream_whatever_their_peers() -> None:
+    """Three ranks in a ring, each sending to the next before receiving from the previous:
+    lone transfers run on a stream per pair and finish; as batches they share the rank's
+    stream, so every send waits for a receive queued behind its peer's own send."""
+    ring = [((True, 1), (False, 2)), ((True, 2), (False, 0)), ((True, 0), (False, 1))]
+    lone = {r: _record(*((send, peer, None, f"r{r}") for send, peer in order))
+            for r, order in enumerate(ring)}
+    assert find_deadlock(lone) is None
+    batched = {r: _record(*((send, peer, k, f"r{r}") for k, (send, peer) in enumerate(order)))
+               for r, order in enumerate(ring)}
+    report = find_deadlock(batched)
+    assert report is not None
+    for rank, (send, _) in enumerate(ring):
+        assert f"rank {rank} waits on: send to {send[1]} [4, 8] (r{rank}); recv from" in report
+    with pytest.raises(P2PDeadlockError, match="one after another on one stream"):
+        nccl_order.check(batched, "a ring")
+    # One batch per rank holding both transfers: NCCL progresses them together.
+    together = {r: _record(*((send, peer, 0, f"r{r}") for send, peer in order))
+                for r, order in enumerate(ring)}
+    assert find_deadlock(together) is None
+    # A lone transfer and a batched one never meet: they are on different communicators.
+    mixed = {0: _record((True, 1, None, "F0")), 1: _record((False, 0, 0, "F0"))}
+    assert "rank 0 waits on: send to 1" in find_deadlock(mixed)
 
 
 def test_a_wait_before_issuing_orders_the_streams_and_mismatches_are_named() -> None:

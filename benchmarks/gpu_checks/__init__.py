@@ -9,7 +9,11 @@
   linear_cross_entropy`` against eager ``F.cross_entropy(lm_head(h))``);
 - ``probe``: instrumented zeroc training runs and the sections built on them: ``zero3``
   (ZeRO-3 on a world-1 NCCL group against eager), ``memory`` (measured peak against the
-  plan's) and ``syncs`` (host synchronizations per steady step).
+  plan's) and ``syncs`` (host synchronizations per steady step);
+- ``paths``: sections ``collectives`` (ZeRO-3, quantized collectives and optimizer offload
+  on the world-1 group with zeroc's collectives kept, against eager) and ``pipeline`` (a
+  pp = 2 DualPipeV pipeline's compiled stages on this device, ``pipeline_run`` in a child
+  process, and where its steps wait for the device).
 
 Here: ``Context`` (what the sections measure, and the state they share), ``SECTIONS`` (in run
 order, each with its budget) and ``headline`` (a section's main figure in a few words).
@@ -36,6 +40,7 @@ for _path in (TESTS, BENCHMARKS):
 from models.gpt import GPTConfig, random_token_batch  # noqa: E402 -- needs the paths above
 
 from .kernels import run_fused_loss, run_kernels  # noqa: E402
+from .paths import run_collectives, run_pipeline  # noqa: E402
 from .probe import run_memory, run_syncs, run_zero3  # noqa: E402
 from .runner import Section  # noqa: E402
 from .train import run_train  # noqa: E402
@@ -74,8 +79,9 @@ class Context:
         return self.memo["batch"]
 
 
-# In run order; budgets in seconds (420 in all, so that the check ends within 8 minutes on an
-# H200 with its start-up and a compile running past its section's budget).
+# In run order; budgets in seconds (690 in all, so that the check ends within 13 minutes on an
+# H100 or H200 with its start-up and a compile running past its section's budget; the new
+# paths alone: --sections collectives,pipeline, about 5 minutes).
 SECTIONS = (
     Section("train", run_train, 180, 60, needs_cuda=False,
             doc="eager, Inductor and zeroc training steps: ratios, tokens/s, MFU"),
@@ -89,6 +95,11 @@ SECTIONS = (
             doc="measured peak memory against the plan's"),
     Section("syncs", run_syncs, 30, 10,
             doc="host synchronizations per steady step"),
+    Section("collectives", run_collectives, 120, 30, needs_cuda=False,
+            doc="ZeRO-3, quantized collectives and offload with the world-1 group's "
+                "collectives kept, against eager"),
+    Section("pipeline", run_pipeline, 150, 60, needs_cuda=False,
+            doc="a pp=2 DualPipeV pipeline's compiled stages on this device, and its waits"),
 )
 SECTION_NAMES = tuple(s.name for s in SECTIONS)
 TOTAL_BUDGET_S = sum(s.budget_s for s in SECTIONS)
@@ -121,4 +132,11 @@ def headline(name: str, record: dict[str, Any]) -> str:
                          for c, m in f.get("configs", {}).items())
     if name == "syncs":
         return ", ".join(f"{c}: {s.get('per_step', s)}" for c, s in f.get("configs", {}).items())
+    if name == "collectives":
+        return ", ".join(f"{m}: {sum(r.get('collectives', {}).values())} collectives, losses "
+                         f"agree {r.get('loss_comparison', {}).get('agree')}"
+                         for m, r in f.get("models", {}).items())
+    if name == "pipeline":
+        return ", ".join(f"position {p['position']}: {len(p['step_s'])} steps, stages "
+                         f"{p['stages']}" for p in f.get("positions", []))
     return ""

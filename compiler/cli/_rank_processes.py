@@ -13,7 +13,8 @@ backend) and the modules ``ZEROC_RANK_PRELOAD`` names (spawn where there is no f
 so only the first start in a process pays for importing them. SIGINT is ignored while they start
 (a forkserver started then passes that on to every rank it forks), until each rank installs
 its own handler. Every rank takes the parent's environment of the moment, runs one thread on
-CPU (gloo) or uses GPU ``rank`` (NCCL), joins the group, calls ``fn(rank, world, *args)`` and
+CPU (gloo) or uses GPU ``rank`` (NCCL, the group bound to it: ``init_group``'s ``device_id``),
+joins the group, calls ``fn(rank, world, *args)`` and
 sends one message through a pipe of its own: its pickled result, or the traceback of what it
 raised, sent before the group is torn down so that the first report is the cause. It then
 exits through multiprocessing's bootstrap (its finalizers run; a forkserver's child skips the
@@ -96,6 +97,17 @@ class _Spec:
 def backend_for(device: str) -> str:
     """The process-group backend for ``device``: ``nccl`` on ``cuda``, ``gloo`` on ``cpu``."""
     return "nccl" if device == "cuda" else "gloo"
+
+
+def init_group(device: str, local_rank: int, **kwargs: Any) -> None:
+    """``init_process_group`` with ``device``'s backend and ``kwargs`` (store, rank, world
+    size; none: torchrun's environment). On ``cuda`` the NCCL group is bound to GPU
+    ``local_rank`` (``device_id``): its communicator is made there at once, and the groups
+    split from it later (the mesh's) are made on that GPU too, not on whichever device is
+    current when their first collective runs. gloo on the CPU is left as it was."""
+    if device == "cuda":
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend_for(device), **kwargs)
 
 
 def how_it_ended(exitcode: int | None) -> str:
@@ -338,8 +350,7 @@ def _rank_main(rank: int, spec: _Spec, writers: list) -> None:
                               timeout=datetime.timedelta(seconds=spec.store_timeout_s))
         if store.check([_INTERRUPT_KEY]):  # stopped before its SIGINT handler was in place
             raise KeyboardInterrupt
-        dist.init_process_group(backend_for(spec.device), store=store, rank=rank,
-                                world_size=spec.world)
+        init_group(spec.device, rank, store=store, rank=rank, world_size=spec.world)
         grouped = True
         # Wait until every rank is in the group: one that returned at once and tore its group
         # down could otherwise break a peer still connecting (gloo's connectFullMesh).

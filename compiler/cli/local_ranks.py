@@ -14,7 +14,8 @@ The demo (``python -m zeroc demo``) and the tuner (``python -m zeroc tune``) sha
 
 :func:`resolve_device` turns ``auto``/``cpu``/``cuda`` into the device the ranks use. On CPU the
 backend is gloo and every started rank runs one thread (``OMP_NUM_THREADS=1``); on CUDA it is
-NCCL and rank ``r`` uses GPU ``LOCAL_RANK`` (``torch.cuda.set_device``).
+NCCL and rank ``r`` uses GPU ``LOCAL_RANK`` (``torch.cuda.set_device``, and
+``init_process_group(device_id=...)``, which binds the group to that GPU).
 
 Ctrl-C ends every rank with one line and exit code 130: the parent stops its ranks (SIGINT,
 then SIGTERM, then SIGKILL, each after a grace period) and prints ``<name>: interrupted;
@@ -43,6 +44,7 @@ from zeroc.cli._rank_processes import (
     Ranks,
     backend_for,
     how_it_ended,
+    init_group,
     sigint_ignored,
     start_ranks,
 )
@@ -90,15 +92,16 @@ def init_from_torchrun(device: str | None) -> tuple[int, int]:
     """Initialize the default process group from torchrun's environment; ``(rank, world)``.
 
     ``device`` as for :func:`resolve_device` (``auto`` counts ``LOCAL_WORLD_SIZE`` ranks on
-    this machine); on CUDA this rank uses GPU ``LOCAL_RANK``. An already initialized group is
-    used as it is.
+    this machine); on CUDA this rank uses GPU ``LOCAL_RANK`` and the NCCL group is bound to it
+    (``device_id``). An already initialized group is used as it is.
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     device = resolve_device(device, local_world)
+    local_rank = int(os.environ["LOCAL_RANK"])
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device))
+        init_group(device, local_rank)  # env://; NCCL bound to GPU LOCAL_RANK (device_id)
     return dist.get_rank(), dist.get_world_size()
 
 
