@@ -17,6 +17,18 @@ device (no data; using one where data is needed raises), so Dynamo can rebuild t
 output structure and ``output.loss`` reads the real loss. No candidate, or several none of
 which holds all the others, is refused with an error that lists the outputs found.
 
+``check_sum_over_samples(gm, index, batch_inputs)`` refuses a loss that is not a sum over
+the batch's samples, read from the graph Dynamo traced with a symbolic batch size: a pipeline
+computes the loss per micro-batch and adds the parts, which is the batch's loss only when no
+value the loss is computed from combines the batch's samples before the loss's own final
+reduction. A floating value that needs a gradient and depends on the batch, but whose shape
+has lost the batch's size while an input's shape had it (``x.T @ x``, ``x.mean(0)``, ``x[0]``)
+combines samples; it is allowed only as the loss's final reduction (a ``sum``, ``mean`` or
+cross-entropy that nothing after it mixes with per-sample values again). A shape carrying a
+data-dependent size (a mixture-of-experts' routed rows) counts as following the batch. An op
+that mixes samples without changing the shape (batch norm) is not seen. The error names the
+op and its line in the model.
+
 ``keep_loss_output(gm, ctx)`` is the pass (``run_passes``, with a
 ``zeroc.passes.front_context.FrontContext``): ``rewrite_to_loss`` in place, the
 ``LossOutput`` published as ``ctx.loss_output``.
@@ -25,17 +37,20 @@ which holds all the others, is refused with an error that lists the outputs foun
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.passes.front_context import front_context
-from zeroc.passes.loss_normalization import reads_parameter
+from zeroc.passes.loss_normalization import LossReductionError, reads_parameter
 from zeroc.runtime.torch_compat import tree_flatten
 
-__all__ = ["LossOutput", "keep_loss_output", "rewrite_to_loss"]
+__all__ = ["LossOutput", "check_sum_over_samples", "keep_loss_output", "rewrite_to_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,3 +160,85 @@ def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
     output.args = ((flat[index],),)
     gm.recompile()
     return LossOutput(index=index, count=len(flat), others=others, constants=constants)
+
+
+# A loss's own final reduction over the batch (``passes/loss_normalization.py`` reads these).
+_FINAL = {torch.sum, torch.mean, "sum", "mean", F.cross_entropy, F.nll_loss}
+
+
+def _final_reduction(node: torch.fx.Node) -> bool:
+    if node.target is torch.ops.zeroc.linear_cross_entropy.default:
+        return True
+    if node.op == "call_function" and node.target is operator.getitem:
+        return False
+    if node.target in _FINAL:
+        return node.target in (F.cross_entropy, F.nll_loss) or (
+            len(node.args) == 1 and node.kwargs.get("dim") is None)
+    return False
+
+
+def _where(node: torch.fx.Node) -> str:
+    """The model's line a Dynamo node comes from (``file:line: code``), or its name."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+    files = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not files:
+        return f"node {node.name}"
+    at = lines[files[-1]].removeprefix("File ").replace(", line ", ":").split(",")[0]
+    at = at.replace('"', "")
+    code = lines[files[-1] + 1] if files[-1] + 1 < len(lines) else ""
+    return f"{at} ({code})" if code else at
+
+
+def check_sum_over_samples(gm: torch.fx.GraphModule, loss_index: int,
+                           batch_inputs: set[int] | frozenset[int]) -> None:
+    """Raise ``LossReductionError`` when the loss (flat output ``loss_index`` of ``gm``, a graph
+    with a symbolic batch size) combines samples before its final reduction (module
+    docstring). A graph without a symbolic batch size is not checked."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    batch: set[Any] = set()
+    for index in batch_inputs:
+        value = _value(placeholders[index]) if index < len(placeholders) else None
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            batch |= free_symbols(value.shape[0])
+    if not batch:
+        return
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = tree_flatten(output.args[0])[0][loss_index]
+    if not isinstance(loss, torch.fx.Node):
+        return
+    cone = _ancestors(loss) | {loss}
+    sources = {placeholders[i] for i in batch_inputs if i < len(placeholders)}
+
+    def follows(node: torch.fx.Node) -> bool:
+        value = _value(node)
+        return isinstance(value, torch.Tensor) and bool(
+            free_unbacked_symbols(value) or any(free_symbols(s) & batch for s in value.shape))
+
+    depends: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:  # in order: inputs first
+        if node in cone and (node in sources or any(a in depends for a in node.all_input_nodes)):
+            depends.add(node)
+    for node in gm.graph.nodes:
+        value = _value(node)
+        if node not in depends or not isinstance(value, torch.Tensor) or follows(node) \
+                or not value.is_floating_point() or not value.requires_grad \
+                or not any(follows(a) for a in node.all_input_nodes):
+            continue
+        later, work = set(), list(node.users)
+        while work:
+            current = work.pop()
+            if current in cone and current not in later:
+                later.add(current)
+                work.extend(current.users)
+        if _final_reduction(node) and not any(follows(n) for n in later):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(
+            node.target, "__name__", str(node.target))
+        raise LossReductionError(
+            f"zeroc pipeline: the loss is not a sum over the batch's samples: {name} at "
+            f"{_where(node)} combines the samples of the batch into a "
+            f"({', '.join(str(s) for s in value.shape)}) value the loss is computed from, so the "
+            "micro-batches' losses do not add up to the batch's loss. Compute the loss per "
+            "sample and reduce over the batch last (a sum or mean of per-sample losses), or "
+            "pass options={'loss_reduction': 'mean'} (average the micro-batches' losses) or "
+            "{'loss_reduction': 'sum'} (add them) to combine them anyway")

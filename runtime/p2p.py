@@ -8,7 +8,8 @@ which is deadlock-free for batched groups (``zeroc.passes.comm_lowering.verify_p
 every wait is at or after the point where that order would have waited, so NCCL's in-order
 matching per pair of ranks cannot deadlock on it (``zeroc.runtime.nccl_order`` checks it on
 what a step really issued). Messages carry several tensors; both sides enumerate them in the
-same order. Works with gloo (CPU) and NCCL (GPU).
+same order. Works with gloo (CPU) and NCCL (GPU). A wait that blocks the host ends within
+seconds when a peer's step failed (``zeroc.runtime.pipeline_abort.wait``).
 
 ``exchange_and_sum`` adds up the gradients of parameters that several pipeline ranks hold (a
 tied embedding and head on the first and last stage, DualPipe's two copies of every stage):
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import nccl_order
+from zeroc.runtime import nccl_order, pipeline_abort
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ def run_transfers(transfers: list[Transfer], group: dist.ProcessGroup | None = N
     indices = nccl_order.record([(t.send, t.tensor, t.peer) for t in transfers
                                  if t.tensor.numel()], batched=True, label="grad exchange")
     for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        pipeline_abort.wait(work, transfers[0].tensor.device, "a gradient exchange")
     nccl_order.waited(indices)
 
 

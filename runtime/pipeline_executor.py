@@ -23,7 +23,12 @@ gradients accumulate over micro-batches and are then summed over the pipeline po
 the same parameter (``p2p.exchange_and_sum``). A micro-batch's first gradient of a parameter is
 kept as the graph returned it when it is a fresh tensor, else copied. The step's all-gather
 gives every rank its replica's loss (a device tensor) and, read when the next call ends, every
-rank's action timings (the measured timeline) and batch digests: no step waits for the device.
+rank's action timings (the measured timeline) and batch digests: on a GPU the host waits there
+only while the device still runs the previous call (``runtime/pipeline_sync.py``).
+
+Failures (``runtime/pipeline_abort.py``). A call takes the model's next step number, which
+the step's batch check compares across the ranks; a step that raises reports itself in the
+job's store, and a blocking wait ends, raising, when a peer's step failed.
 
 Profiling. While a ``torch.profiler`` records (checked once per step), the step runs inside
 ``record_function("zeroc/pipeline_step")``, each action group inside ``zeroc/<group label>``
@@ -45,6 +50,7 @@ from zeroc.runtime import fake_replay
 from zeroc.runtime.actions import Action, ActionKind, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.p2p import exchange_and_sum
+from zeroc.runtime.pipeline_abort import AbortWatch, StepCounter
 from zeroc.runtime.pipeline_inputs import check_same_shapes
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
@@ -78,6 +84,9 @@ class PipelineExecutor:
         layout, stages = self.layout, program.stage_map()
         self.stages, self.last_stage = stages, layout.schedule.num_stages - 1
         self.steps = 0
+        self.counter = StepCounter()  # the model's calls: pipeline_capture shares one per model
+        self.abort = AbortWatch(planned is None, (layout.group_name, *sorted(
+            {h.group_name for h in layout.hoisted.values() if h.group_name})))
         self._clock: StepClock | None = None  # made at the first step, on its device
         self.groups = {
             train: [p2p_groups(rank_actions) for rank_actions in schedule.actions]
@@ -120,9 +129,18 @@ class PipelineExecutor:
             reduce: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run the step on the model's flat inputs; return (mean loss, parameter gradients).
         ``reduce=False``: this rank's own gradients, hoisted ones in full; ``reduce_gradients``
-        of their sum (no-sync accumulation) gives what ``reduce=True`` returns."""
-        with record(_STEP):
-            loss, grads = self._run_step(inputs, train, reduce)
+        of their sum (no-sync accumulation) gives what ``reduce=True`` returns. The step is
+        numbered, checked against the other ranks' and reported when it fails
+        (``runtime/pipeline_abort``)."""
+        step, layout = self.counter.next(), self.layout
+        with record(_STEP), self.abort.active(step):
+            check_same_shapes(inputs, self.sync.batch_inputs, layout.input_names,
+                              layout.host_group_name, layout.global_ranks, step, train)
+            try:
+                loss, grads = self._run_step(inputs, train, reduce)
+            except BaseException as error:
+                self.abort.report(error)
+                raise
         if self.steps == 0:
             log.debug("zeroc: pipeline position %d ran its first %s step", self.layout.position,
                       "training" if train else "forward-only")
@@ -137,9 +155,7 @@ class PipelineExecutor:
         self._grads: dict[int, torch.Tensor] = {}
         tensor = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         self._step_device = device = tensor.device if tensor is not None else torch.device("cpu")
-        layout = self.layout
-        check_same_shapes(inputs, self.sync.batch_inputs, layout.input_names,
-                          layout.host_group_name, layout.global_ranks)
+        self.abort.device = device
         self._loss = torch.zeros((), dtype=torch.float64, device=device)
         self._scale = self.sync.loss_scale(inputs, device)
         if self.zero is not None:  # the first gathers are issued now (prefetch)
@@ -184,14 +200,15 @@ class PipelineExecutor:
                          inputs: list[Any]) -> dict[int, torch.Tensor]:
         """``grads`` reduced over dp (hoisted ones, per bucket), zero where a parameter got none,
         summed over the positions holding one parameter (linear in ``grads``)."""
-        if self.zero is not None:
-            self.zero.reduce(grads, inputs)
-        for index in self._param_inputs:
-            if index not in grads:
-                grads[index] = torch.zeros_like(inputs[index])
-        with record(_EXCHANGE):
-            return exchange_and_sum(grads, self.layout.holders, self.layout.position,
-                                    self.layout.global_ranks)
+        with self.abort.active(self.abort.step):  # a no-sync flush runs outside ``run``
+            if self.zero is not None:
+                self.zero.reduce(grads, inputs)
+            for index in self._param_inputs:
+                if index not in grads:
+                    grads[index] = torch.zeros_like(inputs[index])
+            with record(_EXCHANGE):
+                return exchange_and_sum(grads, self.layout.holders, self.layout.position,
+                                        self.layout.global_ranks)
 
     def _run_group(self, position: int, group: tuple[Action, ...],
                    plans: tuple[GroupPlan, ...], clock: StepClock, marks: list[Any]) -> None:

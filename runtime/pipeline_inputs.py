@@ -11,6 +11,11 @@ read on the host without waiting for the device; a difference raises the same
 
 Values are compared later, by the step's closing all-gather (``runtime/pipeline_sync``): a
 digest of each input's bit patterns, so that equal batches holding NaN compare equal.
+
+The same row carries the step's number (the model's ``StepCounter``) and whether it trains:
+ranks at different steps, or one training while another runs ``no_grad``, raise
+``StepMismatchError`` on every rank, naming both (``runtime/pipeline_abort``). The all-gather
+is waited through ``pipeline_abort.wait``: a peer whose step failed ends it within seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroc.runtime import pipeline_abort
 from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.pipeline_abort import StepMismatchError
 from zeroc.runtime.torch_compat import FakeTensor
 
 __all__ = ["check_same_shapes", "signature"]
@@ -57,18 +64,23 @@ def _describe(row: Sequence[int], k: int) -> str:
 
 def check_same_shapes(inputs: Sequence[Any], batch_inputs: Sequence[int],
                       names: Mapping[int, str], group_name: str,
-                      global_ranks: Sequence[int]) -> None:
-    """All-gather the batch's signature over the host group ``group_name``; raise on every
-    rank of the pipeline if two ranks differ (see the module docstring)."""
+                      global_ranks: Sequence[int], step: int = 0, train: bool = True) -> None:
+    """All-gather the step's number, its kind and the batch's signature over the host group
+    ``group_name``; raise on every rank of the pipeline if two ranks differ (see the module
+    docstring)."""
     group = resolve_group(group_name)
     if group is None:
         return
-    mine = torch.tensor(signature(inputs, batch_inputs), dtype=torch.int64)
+    mine = torch.tensor([step, int(train), *signature(inputs, batch_inputs)],
+                        dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(rows, mine, group=group)
+    pipeline_abort.wait(dist.all_gather(rows, mine, group=group, async_op=True),
+                        mine.device, "the step's signature")
     if isinstance(rows[0], FakeTensor):
         return  # a planned world: one program stands for every rank, there is no value
     values = [r.tolist() for r in rows]
+    _check_steps([v[:2] for v in values], global_ranks)
+    values = [v[2:] for v in values]
     odd = next((r for r in range(1, len(values)) if values[r] != values[0]), None)
     if odd is None:
         return
@@ -84,3 +96,19 @@ def check_same_shapes(inputs: Sequence[Any], batch_inputs: Sequence[int],
         "must pass the same batch (checked before the step moves anything). Shard the data "
         "over the data-parallel dimension only, e.g. DistributedSampler(dataset, "
         "num_replicas=zeroc.data_parallel_size(model), rank=zeroc.data_parallel_rank(model))")
+
+
+def _check_steps(heads: list[list[int]], global_ranks: Sequence[int]) -> None:
+    """Raise ``StepMismatchError`` where the ranks' (step, trains) heads differ."""
+    odd = next((r for r in range(1, len(heads)) if heads[r] != heads[0]), None)
+    if odd is None:
+        return
+    kinds = {1: "a training step", 0: "a forward-only (no_grad) step"}
+    (step, train), (other, other_train) = heads[0], heads[odd]
+    raise StepMismatchError(
+        f"zeroc pipeline: the ranks of one pipeline are not at the same step of this model: "
+        f"rank {global_ranks[0]} runs step {step} ({kinds[train]}) and rank "
+        f"{global_ranks[odd]} step {other} ({kinds[other_train]}). Every rank must make the "
+        "same calls of the compiled model, in the same order: a rank whose call raised "
+        "must not skip or repeat a step its peers run. Nothing of this step has moved or "
+        "been applied")

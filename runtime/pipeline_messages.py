@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from zeroc.runtime import nccl_order
+from zeroc.runtime import nccl_order, pipeline_abort
 from zeroc.runtime.actions import Action, ActionKind
 from zeroc.runtime.p2p import post_batch
 
@@ -154,8 +154,8 @@ class StepMessages:
         if batch is None:
             return  # waited already
         works, indices, _sent = batch
-        for work in works:
-            work.wait()
+        for work in works:  # ends within seconds when a peer's step failed (pipeline_abort)
+            pipeline_abort.wait(work, self.device, "a pipeline message")
         nccl_order.waited(indices)
 
     def await_inputs(self, plan: GroupPlan) -> None:

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroc.runtime import pipeline_abort
 from zeroc.runtime.collectives import chunk_sum_mean, collective_bytes, reduces_by_all_to_all
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
 from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
@@ -103,8 +104,7 @@ class _Pending:
 
 
 def _wait(work: Any) -> None:
-    if work is not None:
-        work.wait()
+    pipeline_abort.wait(work, None, "a ZeRO collective")  # the step's device (pipeline_abort)
 
 
 class StepZero:

@@ -228,9 +228,25 @@ def test_partition_is_the_linear_partition_program() -> None:
 
 
 def test_the_screen_cuts_stages_as_the_compiler_does() -> None:
+    from types import SimpleNamespace
+
+    def op(flops: float) -> SimpleNamespace:
+        return SimpleNamespace(flops=flops, bytes=0)
+
+    # Without repeated blocks: between any two ops, on their times.
     times = [1.0, 1.0, 1.0, 10.0, 1.0]
-    cut = tune_screen._cut(times, 2)
+    plain = SimpleNamespace(forward=[op(t) for t in times], block_starts=())
+    cut = tune_screen._cut(plain, times, 2)
     starts = partition_costs(times, 2)
     assert [start for start, _ in cut] == starts == [0, 3]
     assert max(sum(times[a:b]) for a, b in cut) == 11.0  # an even split of the time gives 13
-    assert tune_screen._cut([1.0, 2.0], 3) == [(0, 1), (1, 2), (2, 2)]
+    two = SimpleNamespace(forward=[op(1), op(2)], block_starts=())
+    assert tune_screen._cut(two, [1.0, 2.0], 3) == [(0, 1), (1, 2), (2, 2)]
+    # With blocks: only in front of a block, balancing the blocks' costs (what precedes the
+    # first block goes with it), as the stage split does; too few blocks raise.
+    blocks = SimpleNamespace(forward=[op(f) for f in (1, 4, 1, 1, 4, 1)], block_starts=(1, 2, 4))
+    cut = tune_screen._cut(blocks, [0.0] * 6, 2)
+    assert cut[0][0] == 0 and cut[1][0] in (2, 4) and cut[1][1] == 6  # block starts only
+    assert max(sum(o.flops for o in blocks.forward[a:b]) for a, b in cut) == 7
+    with pytest.raises(ValueError, match="3 blocks for 4 pipeline stages"):
+        tune_screen._cut(blocks, [0.0] * 6, 4)

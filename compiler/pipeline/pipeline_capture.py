@@ -14,7 +14,9 @@
 4. The stages and the schedule make a frozen ``Program`` (``zeroc.pipeline.program_build``);
    the program passes split each backward into I and W, build the F&B graphs of overlapped
    actions and lower the schedule with p2p actions; Inductor kernels where they run. The
-   session holds that Program; a ``PipelineExecutor`` runs it inside a ``PipelinedStep``.
+   session holds that Program; a ``PipelineExecutor`` runs it inside a ``PipelinedStep``,
+   numbering its calls with the model's one ``StepCounter`` (``STEPS_ATTR`` on its flat
+   buffers: ``zeroc.runtime.pipeline_abort``).
 
 Train-step mode (DESIGN.md §4.6): calling the compiled model runs the whole schedule. The loss
 comes back from a ``torch.autograd.Function`` that kept the parameter gradients; its backward
@@ -53,20 +55,25 @@ from zeroc.pipeline.program_build import (
     run_program_passes,
     stage_summaries,
 )
-from zeroc.pipeline.stage_trace import LazyInference, StageTrace
+from zeroc.pipeline.stage_trace import (
+    LazyInference,
+    StageTrace,
+    check_calling_convention,
+    export_stage,
+    sink_output_tokens,
+)
+from zeroc.runtime.pipeline_abort import StepCounter
 from zeroc.runtime.pipeline_executor import (
     PP_SOURCE_ATTR,
     PipelineExecutor,
     StageProgram,
-)
-from zeroc.runtime.torch_compat import (
-    aot_export_joint_simple,
 )
 from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.stage_holding import keep_only
 
 LAYOUT_ATTR = "_zeroc_layout"
+STEPS_ATTR = "_zeroc_pp_steps"  # the model's StepCounter (runtime/pipeline_abort)
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +235,7 @@ def _compile_pipeline(
                                                   zero_group=record.zero_group,
                                                   planned=layout.planned))
     executor = PipelineExecutor(program, layout.planned)  # the planned world's replay
+    executor.counter = _model_steps([example_inputs[i] for i in params])
     step_buckets = []
     if executor.zero is not None:  # ZeRO once per step: the plan lists the step's buckets
         step_buckets = executor.zero.collectives(example_inputs, f"{prefix}.step")
@@ -246,6 +254,16 @@ def _compile_pipeline(
                  sum(c.op == "all_gather" for c in step_buckets),
                  sum(c.op != "all_gather" for c in step_buckets), decisions(record.passes))
     return PipelinedStep(executor, grad_inputs, loss_output)
+
+
+def _model_steps(flat_params: list[Any]) -> StepCounter:
+    """The model's one ``StepCounter`` (every compiled graph of it shares it), kept on its
+    flat buffers like ``PP_SOURCE_ATTR``: a call of any of them is the model's next step."""
+    counter = next((c for p in flat_params if isinstance(
+        c := getattr(p, STEPS_ATTR, None), StepCounter)), None) or StepCounter()
+    for param in flat_params:
+        setattr(param, STEPS_ATTR, counter)
+    return counter
 
 
 def _example_args(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
@@ -297,12 +315,20 @@ def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs
         return reused
     before = stage_reuse.counts(record)
     with torch.enable_grad(), trace.mode:  # a no_grad recompile still builds these graphs
-        joint = aot_export_joint_simple(spec.gm, args, trace_joint=True,
-                                        decompositions=decompositions)
+        joint, tokens = export_stage(spec.gm, args, trace_joint=True,
+                                     decompositions=decompositions)
+    primals = [n.name for n in joint.graph.find_nodes(op="placeholder")
+               if not n.name.startswith("tangents")]
+    compiler.input_names.clear()  # the placeholders' names once tokens are taken out
+    compiler.input_names.update(zip(primals, primal_names, strict=True))
     # The passes recompile each graph after each pass; its code is made once, when it runs.
     joint = compiler.joint(graph_module(joint, joint.graph), keep_graph=False)
     num_fwd = len(spec.out_keys) + spec.num_model_outputs
-    fw, bw = compiler.partition(joint, args, num_fwd_outputs=num_fwd)
+    # Effect tokens stay forward outputs through the partition (the effect stays in the
+    # forward graph), then go to the forward's sink (``zeroc.pipeline.stage_trace``).
+    fw, bw = compiler.partition(joint, args, num_fwd_outputs=num_fwd + tokens)
+    sink_output_tokens(fw, tokens)
+    check_calling_convention(fw, len(args), num_fwd, f"stage {index} forward")
     fw, _ = compiler.graph(graph_module(fw, fw.graph), "forward")
     bw, _ = compiler.graph(graph_module(bw, bw.graph), "backward")
     tangent_outputs = tuple(i for i, flag in enumerate(spec.output_requires_grad) if flag)

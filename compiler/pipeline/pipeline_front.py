@@ -3,8 +3,10 @@
 From one Dynamo graph at the call's sizes (and, when Dynamo gave one, the same graph with a
 symbolic batch dimension) ``pipeline_front`` makes what every position of the pipeline
 compiles from: the loss output, the batch inputs and the micro-batch count, the schedule,
-the Dynamo graph's passes, the loss normalization, the parameter gathers taken out of the
-graph (ZeRO once per step), and the graph cut into stages at the micro-batch size.
+the Dynamo graph's passes, the loss normalization (a loss that is no sum over samples is
+refused first, from the symbolic graph: ``passes/loss_output.check_sum_over_samples``), the
+parameter gathers taken out of the graph (ZeRO once per step), and the graph cut into stages
+at the micro-batch size.
 ``zeroc.pipeline.pipeline_capture`` then compiles the stages one position holds.
 
 Every transform of a graph here is a pass run by ``run_passes`` from the literal lists of
@@ -40,7 +42,7 @@ from zeroc.frontend.session import CompiledGraph
 from zeroc.passes.base import pass_infos, run_passes
 from zeroc.passes.front_context import FrontContext
 from zeroc.passes.hoist_unshard import HoistedParam
-from zeroc.passes.loss_output import LossOutput
+from zeroc.passes.loss_output import LossOutput, check_sum_over_samples
 from zeroc.passes.pipeline import (
     HOIST_PASSES,
     LOSS_PASSES,
@@ -276,6 +278,8 @@ def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: C
     gm = run(gm, full, LOSS_PASSES)
     differentiated = _differentiated(gm, dynamic_gm, full.loss_output)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params, config.unsplit_inputs)
+    if config.loss_reduction is None and dynamic_gm is not None:  # a per-sample loss
+        check_sum_over_samples(dynamic_gm, full.loss_output.index, batch_inputs)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
     if batch % microbatches:

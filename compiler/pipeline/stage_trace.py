@@ -22,6 +22,19 @@ graph's values).
 
 ``LazyInference`` keeps a stage's graph and its fake arguments, never a device tensor,
 until its first call.
+
+Effect tokens. An op with a side effect (``torch.linalg.cholesky``'s error check,
+``aten._linalg_check_errors``; a print; an effectful custom op) is traced by AOTAutograd as
+``with_effects(token, op, ...)``, and ``aot_export_joint_simple`` hands the tokens over as
+extra leading inputs and outputs of its graph: a calling convention the stage's arguments do
+not follow. (At pp = 1 AOTAutograd's runtime wrapper passes and drops them.) ``export_stage``
+puts them inside the graph, as torch's own ``unlift_effect_tokens`` does: each input token
+becomes a ``prims._make_token()`` node, and each output token goes to one
+``prims._sink_tokens`` (effectful, so no dead-code pass drops the op) in the graph that runs the
+effect: the inference graph at once, the forward graph once the joint is partitioned (the
+partition keeps the tokens as forward outputs, so the effect stays in the forward;
+``sink_output_tokens``). A stage whose graphs still do not take exactly its arguments is
+refused, naming the effectful ops (``check_calling_convention``).
 """
 
 from __future__ import annotations
@@ -44,9 +57,16 @@ from zeroc.runtime.torch_compat import (
     unset_fake_temporarily,
 )
 
-__all__ = ["LazyInference", "StageTrace", "full_size_fakes"]
+__all__ = ["LazyInference", "StageTrace", "check_calling_convention", "export_stage",
+           "full_size_fakes", "sink_output_tokens"]
 
 log = logging.getLogger(__name__)
+
+# Effect tokens (see the module docstring): the higher-order op that threads them, and the
+# ops that make one and consume the last ones inside a graph.
+EFFECTS = torch.ops.higher_order.with_effects
+MAKE_TOKEN = torch.ops.prims._make_token.default
+SINK_TOKENS = torch.ops.prims._sink_tokens.default
 
 
 class StageTrace:
@@ -129,9 +149,77 @@ class LazyInference:
             gm.recompile()
             with self.trace.tracing():
                 with torch.no_grad(), self.trace.mode:
-                    traced = aot_export_joint_simple(gm, self.args, trace_joint=False,
-                                                     decompositions=self.decompositions)
+                    traced, tokens = export_stage(gm, self.args, trace_joint=False,
+                                                  decompositions=self.decompositions)
+                    sink_output_tokens(traced, tokens)
                 self.graph = self.compile_graph(traced)
             log.debug("zeroc: traced a stage's forward-only graph on its first no_grad call")
             self.stage_gm = self.args = self.trace = None  # type: ignore[assignment]
         return self.graph(*args)
+
+
+def export_stage(gm: torch.fx.GraphModule, args: list[Any], *, trace_joint: bool,
+                 decompositions: dict[Any, Any] | None = None
+                 ) -> tuple[torch.fx.GraphModule, int]:
+    """``aot_export_joint_simple`` of a stage graph on ``args``, its input effect tokens made
+    inside the graph (see the module docstring); returns the graph and how many tokens it
+    has. The graph's outputs still start with the tokens: ``sink_output_tokens`` takes them
+    out of the graph that runs the effect."""
+    graph = aot_export_joint_simple(gm, args, trace_joint=trace_joint,
+                                    decompositions=decompositions)
+    primals = [n for n in graph.graph.find_nodes(op="placeholder")
+               if not n.name.startswith("tangents")]
+    tokens = len(primals) - len(args)
+    if tokens <= 0:
+        return graph, 0
+    first = next(n for n in graph.graph.nodes if n.op != "placeholder")
+    for token in primals[:tokens]:
+        if any(u.target is not EFFECTS and u.op != "output" for u in token.users):
+            check_calling_convention(graph, len(args), None, "stage")  # raises, naming ops
+        with graph.graph.inserting_before(first):
+            made = graph.graph.call_function(MAKE_TOKEN, ())
+        made.meta.update(token.meta)
+        token.replace_all_uses_with(made)
+        graph.graph.erase_node(token)
+    graph.recompile()
+    log.debug("zeroc: a stage graph threads %d effect token(s) through %s", tokens,
+              effectful_ops(graph))
+    return graph, tokens
+
+
+def sink_output_tokens(graph: torch.fx.GraphModule, tokens: int) -> None:
+    """Take ``graph``'s first ``tokens`` outputs (effect tokens) into a ``_sink_tokens``."""
+    if not tokens:
+        return
+    output = next(iter(graph.graph.find_nodes(op="output")))
+    outs = list(output.args[0])
+    with graph.graph.inserting_before(output):
+        graph.graph.call_function(SINK_TOKENS, (outs[:tokens],))
+    output.args = (type(output.args[0])(outs[tokens:]),)
+    graph.recompile()
+
+
+def effectful_ops(graph: torch.fx.GraphModule) -> str:
+    """The ops ``graph`` runs for their effect (through ``with_effects``), for messages."""
+    ops = sorted({str(n.args[1]) for n in graph.graph.find_nodes(op="call_function",
+                                                                target=EFFECTS)})
+    return ", ".join(ops) or "no effectful op"
+
+
+def check_calling_convention(graph: torch.fx.GraphModule, inputs: int, outputs: int | None,
+                             what: str) -> None:
+    """Raise naming the effectful ops when ``graph`` does not take ``inputs`` arguments (and,
+    where ``outputs`` is given, return at least that many values): the executor calls it
+    with the stage's own arguments."""
+    taken = len(graph.graph.find_nodes(op="placeholder"))
+    output = next(iter(graph.graph.find_nodes(op="output")))
+    returned = len(output.args[0])
+    if taken == inputs and (outputs is None or returned >= outputs):
+        return
+    raise ValueError(
+        f"zeroc pipeline: the {what} graph takes {taken} inputs and returns {returned} "
+        f"values where the stage passes {inputs}"
+        + (f" and reads {outputs}" if outputs is not None else "")
+        + f"; its effectful ops ({effectful_ops(graph)}) thread state through the graph "
+        "that a pipeline stage cannot pass. Compile this model with pp=1, or move the op "
+        "out of the model's forward")
