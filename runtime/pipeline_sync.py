@@ -12,8 +12,17 @@ the host without blocking, and read when the next pipelined call ends (of any pi
 the process: every rank of a pipeline makes the same calls, so all of them read, and raise,
 at the same point), or when the plan asks for the timings. Reading them then checks that
 every rank of the pipeline was given the same batch and that the loss's denominator was not
-0, and keeps every rank's timings for the plan's measured timeline (``StepTimings``). On a
-CUDA device a call waits there only if the device is still running the earlier step.
+0, and keeps every rank's timings for the plan's measured timeline (``StepTimings``).
+
+When the host waits, on a CUDA device: at the end of call N, after its actions were queued
+and before its own all-gather, ``read_rows`` waits (one ``Event.synchronize``) for the event
+recorded after call N-1's rows were copied, and only if the device has not reached it yet,
+that is while the device still runs call N-1. Call N is queued on the device by then, so the
+wait never leaves the device idle: it keeps the host at most one call ahead of the device,
+and it is what makes every rank read, and raise on, call N-1's rows at the same point (a rank
+that read only what had arrived could raise a call later than its peers and leave them in a
+collective). The timings never wait (``StepClock``); nothing waits on the CPU, where the
+rows are on the host when the all-gather returns.
 
 ``loss_scale`` is 1 / the loss's denominator from this replica's batch: the graphs return
 numerators (see ``zeroc.passes.loss_normalization``); the executor seeds the backwards with
@@ -32,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroc.runtime import pipeline_abort
 from zeroc.runtime.actions import Action
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.step_clock import StepClock, host_row
@@ -91,7 +101,8 @@ _UNREAD: list[_Gathered] = []  # every pipeline's calls whose rows were not read
 
 def read_rows(wait: bool, when: str) -> None:
     """Read the gathered rows of earlier calls (oldest first): check them and keep their
-    timings. ``wait``: wait for rows the device has not copied yet (else leave them)."""
+    timings. ``wait``: wait for rows the device has not copied yet (else leave them); the
+    one host wait of a pipelined call (module docstring)."""
     while _UNREAD:
         entry = _UNREAD[0]
         if entry.ready is not None and not entry.ready.query():
@@ -195,18 +206,17 @@ class StepSync:
             gathered = mine.reshape(1, -1)
         else:  # on the group's device (CUDA under NCCL)
             rows = [torch.empty_like(mine) for _ in range(group.size())]
-            dist.all_gather(rows, mine, group=group)
+            pipeline_abort.wait(dist.all_gather(rows, mine, group=group, async_op=True),
+                                mine.device, "the step's closing all-gather")
             gathered = torch.stack(rows)
         if isinstance(gathered, FakeTensor):
             pass  # a planned step: there are no values to read later
-        elif gathered.device.type == "cpu":
+        elif not clock.events:  # on the host (the CPU): read as they are
             _UNREAD.append(_Gathered(self, gathered, None))
-        else:  # read when the next call ends: a copy that does not block, and its event
+        else:  # CUDA: a copy that does not block, and the event read_rows waits for
             host = gathered.to("cpu", non_blocking=True)
-            ready = None
-            if clock.events:
-                ready = torch.cuda.Event()
-                ready.record()
+            ready = torch.cuda.Event()
+            ready.record()
             _UNREAD.append(_Gathered(self, host, ready))
         return (gathered[:, _LOSS].sum() * scale.value).to(torch.float32)
 

@@ -2,7 +2,7 @@
 
 On a CUDA device the host clock measures when work was *queued*, not when it ran, so the
 executor records a CUDA event at each mark. The events are read without making the host
-wait: a step's marks become seconds once its last event has completed (``Event.query()``),
+wait: a step's marks become seconds once its events have completed (``Event.query()``),
 which is checked when a later step ends, so the timings a step reports are those of the
 latest earlier step whose events are done (usually the one before it; none after the first
 step). Every mark is then the host time of that step's first mark plus the device time
@@ -72,7 +72,10 @@ class StepClock:
         device unless ``wait`` (when the plan is read, outside any step)."""
         while self._pending:
             train, tokens, first, first_host = self._pending[0]
-            if not tokens[-1].query():
+            # The last mark first: while it is pending, one query. Once it completed, the
+            # earlier marks (recorded before it on the same stream) have too; each is asked
+            # anyway, so that no elapsed time is read from an event not shown complete.
+            if not all(token.query() for token in reversed(tokens)):
                 if not wait:
                     break
                 tokens[-1].synchronize()
@@ -85,9 +88,11 @@ class StepClock:
 def host_row(values: list[float], device: torch.device, pinned: bool) -> torch.Tensor:
     """``values`` as a float64 tensor on ``device``. ``pinned``: copied from pinned host
     memory without blocking (a CUDA device); a blocking copy to a CUDA device would wait for
-    every kernel queued before it."""
+    every kernel queued before it. A CPU ``device`` takes the row as it is."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.float64)
     row = torch.tensor(values, dtype=torch.float64, pin_memory=pinned)
-    return row if device.type == "cpu" else row.to(device, non_blocking=True)
+    return row.to(device, non_blocking=True)
 
 
 class RegionTimer:
