@@ -276,6 +276,7 @@ class PipelineExecutor:
         done = len(program.out_keys) + program.num_model_outputs
         for value in outs[len(program.out_keys):done]:
             self._loss += value.detach().double().sum()
+            self._loss_dtype = value.dtype  # the backward's seed is of the loss's dtype
         if self._train:
             self._saved[(stage, microbatch)] = list(outs[done:])
         if stage == self.last_stage:
@@ -306,7 +307,7 @@ class PipelineExecutor:
             if i < len(program.out_keys):
                 tangents.append(grads_in[program.out_keys[i]])
             else:  # 1 / this replica's denominator, before any dp average (module docstring)
-                tangents.append(self._scale.tangent(self._step_device))
+                tangents.append(self._scale.tangent(self._step_device).to(self._loss_dtype))
         return saved + tangents
 
     def backward_results(self, stage: int, microbatch: int, grads: tuple,

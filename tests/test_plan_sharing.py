@@ -16,7 +16,7 @@ from models.gpt import GPT, GPTConfig
 import zeroc
 import zeroc.world.plan_workers as plan_workers
 import zeroc.world.world_plan as world_plan
-from zeroc.pipeline import pipeline_capture
+from zeroc.pipeline import stage_trace
 
 
 def _model() -> GPT:
@@ -43,7 +43,7 @@ def _plan(monkeypatch: pytest.MonkeyPatch, share: bool, options: dict) -> tuple[
         positions.append(plan_position(*args, **kwargs))
         return positions[-1]
 
-    export = pipeline_capture.aot_export_joint_simple
+    export = stage_trace.aot_export_joint_simple
 
     def count(*args, **kwargs):
         exports.append(kwargs.get("trace_joint"))
@@ -53,7 +53,7 @@ def _plan(monkeypatch: pytest.MonkeyPatch, share: bool, options: dict) -> tuple[
         # Every position in this process, where the spies see it (no helper process).
         patch.setattr(plan_workers, "planning_cores", lambda: 1)
         patch.setattr(world_plan, "plan_position", spy)
-        patch.setattr(pipeline_capture, "aot_export_joint_simple", count)
+        patch.setattr(stage_trace, "aot_export_joint_simple", count)
         if not share:  # each position on its own, as a separate process would plan it
             patch.setattr(world_plan, "SharedTrace", lambda shared: None)
             patch.setattr(world_plan, "SharedPlanning", lambda: None)
