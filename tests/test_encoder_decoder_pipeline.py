@@ -5,8 +5,8 @@ BART's ``model.encoder.layers`` and ``model.decoder.layers`` (T5's ``encoder.blo
 two encoder and two decoder layers has four cut points: DualPipeV's four stages at pp=2 hold
 one block each, the encoder's output travelling through the decoder's stages, and a user may
 pin a cut inside the encoder. BART under every schedule (GPipe, ZB1P, DualPipe and DualPipeV
-at pp=2, 1F1B at pp=4) and T5 under DualPipeV equal eager on the whole batch: the loss and every gradient, with the tied embedding summed over the stages
-that hold it.
+at pp=2, 1F1B at pp=4) and T5 under DualPipeV equal eager on the whole batch: the loss and
+every gradient, with the tied embedding summed over the stages that hold it.
 """
 
 from __future__ import annotations
