@@ -9,7 +9,8 @@ what it found beside the graph it returns:
 
 - ``specialize`` / ``specialize_outputs`` (``zeroc.passes.specialize_shapes``) read
   ``inputs`` and ``costs``;
-- ``keep_loss_output`` (``zeroc.passes.loss_output``) publishes ``loss_output``;
+- ``keep_loss_output`` (``zeroc.passes.loss_output``) reads ``evaluation``, ``kept_outputs``,
+  ``batch_inputs`` and ``traced_batch``, publishes ``loss_output``;
 - ``normalize_loss`` (``zeroc.passes.loss_normalization``) publishes ``normalization``;
 - ``hoist_unshards`` (``zeroc.passes.hoist_unshard``) reads ``names``, publishes ``hoisted``;
 - ``microbatch_graph`` (``zeroc.passes.microbatch_shapes``) reads ``fake_inputs``,
@@ -60,6 +61,10 @@ class FrontContext(PassContext):
     hoisted: dict[int, HoistedParam] = dataclasses.field(default_factory=dict)
     mgraph: MicrobatchGraph | None = None
     split: StageSplit | None = None
+    # An evaluation graph (traced with gradients off) keeps its per-sample outputs; the
+    # micro-batch graph keeps those the full-batch graph kept (``kept_outputs``).
+    evaluation: bool = False
+    kept_outputs: tuple[int, ...] | None = None
 
 
 def front_context(ctx: PassContext, pass_name: str) -> FrontContext:

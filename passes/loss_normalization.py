@@ -210,6 +210,9 @@ def normalize_loss(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Pass: ``loss_to_numerator`` of ``gm`` (in place) with ``ctx.params`` and the config's
     ``loss_reduction``; publishes ``ctx.normalization``."""
     front = front_context(ctx, "normalize_loss")
+    if front.loss_output is not None and front.loss_output.index is None:
+        front.normalization = LossNormalization("sum", None)  # an evaluation without a loss
+        return PassResult(gm, False, {"kind": "none"})
     nodes = len(gm.graph.nodes)
     front.normalization = found = loss_to_numerator(gm, front.params,
                                                     ctx.config.loss_reduction)
@@ -233,7 +236,8 @@ def loss_to_numerator(gm: torch.fx.GraphModule, param_indices: set[int],
     if loss_reduction == "mean":
         return LossNormalization("micro_mean", None)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    (loss,) = [a for a in tree_flatten(output.args[0])[0] if isinstance(a, torch.fx.Node)]
+    # The loss first, then an evaluation graph's per-sample outputs (``passes/loss_output``).
+    loss = tree_flatten(output.args[0])[0][0]
     found = _rewrite(gm, loss, params)
     if isinstance(found, str):
         raise LossReductionError(

@@ -29,6 +29,14 @@ data-dependent size (a mixture-of-experts' routed rows) counts as following the 
 that mixes samples without changing the shape (batch norm) is not seen. The error names the
 op and its line in the model.
 
+Evaluation. A graph Dynamo traced with gradients off (``torch.no_grad()``,
+``torch.inference_mode()``: the graph runs only so) keeps, after the loss, every output that
+holds one row per sample: a tensor whose first dimension is the batch and that is computed
+from a batch input (a language model's logits, a classifier's scores). The pipeline returns
+them whole, concatenated over the micro-batches and sent to every rank of the pipeline
+(``zeroc.runtime.pipeline_outputs``); other outputs stay on the ``meta`` device. Such a graph
+needs no loss at all: a model called without labels returns its logits.
+
 ``keep_loss_output(gm, ctx)`` is the pass (``run_passes``, with a
 ``zeroc.passes.front_context.FrontContext``): ``rewrite_to_loss`` in place, the
 ``LossOutput`` published as ``ctx.loss_output``.
@@ -58,19 +66,32 @@ class LossOutput:
     """Where the loss sits among the graph's original outputs and what the others were.
 
     ``others[i]`` is ``(shape, dtype)`` of output ``i`` (``None`` at ``index``, and for a
-    non-tensor output, which is returned as it was traced)."""
+    non-tensor output, which is returned as it was traced). ``index`` is None for an
+    evaluation graph without a loss; ``kept`` are the per-sample outputs an evaluation graph
+    returns after the loss, in output order (module docstring)."""
 
-    index: int
+    index: int | None
     count: int
     others: tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
     constants: tuple[Any, ...]
+    kept: tuple[int, ...] = ()
 
-    def outputs(self, loss: torch.Tensor) -> tuple[Any, ...]:
-        """The call's outputs: ``loss`` at its place, meta tensors (or constants) elsewhere."""
+    @property
+    def kept_specs(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """``(shape, dtype)`` at the call's sizes of each kept output."""
+        return tuple(self.others[i] for i in self.kept)  # type: ignore[misc]
+
+    def outputs(self, loss: torch.Tensor,
+                kept: tuple[torch.Tensor, ...] = ()) -> tuple[Any, ...]:
+        """The call's outputs: ``loss`` at its place, ``kept`` at theirs, meta tensors (or
+        constants) elsewhere."""
+        values = dict(zip(self.kept, kept, strict=True))
         result: list[Any] = []
         for i, spec in enumerate(self.others):
             if i == self.index:
                 result.append(loss)
+            elif i in values:
+                result.append(values[i])
             elif spec is None:
                 result.append(self.constants[i])
             else:
@@ -116,13 +137,38 @@ def keep_loss_output(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     front = front_context(ctx, "keep_loss_output")
     output = next(n for n in gm.graph.nodes if n.op == "output")
     before = output.args
-    front.loss_output = found = rewrite_to_loss(gm, front.params)
+    kept = front.kept_outputs
+    if front.evaluation and kept is None:
+        kept = per_sample_outputs(gm, front.batch_inputs, front.traced_batch)
+    front.loss_output = found = rewrite_to_loss(gm, front.params, kept or ())
     return PassResult(gm, output.args != before,
-                      {"loss_index": found.index, "dropped_outputs": found.count - 1})
+                      {"loss_index": found.index, "kept_outputs": len(found.kept),
+                       "dropped_outputs": found.count - len(found.kept)
+                       - (found.index is not None)})
 
 
-def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
-    """Rewrite ``gm`` (in place) to return only its loss; ``params``: parameter positions."""
+def per_sample_outputs(gm: torch.fx.GraphModule, batch_inputs: set[int] | frozenset[int],
+                       batch: int) -> tuple[int, ...]:
+    """The flat outputs of ``gm`` with one row per sample: a tensor whose dimension 0 is
+    ``batch`` and that is computed from one of the ``batch_inputs`` (placeholder positions)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = {placeholders[i] for i in batch_inputs if i < len(placeholders)}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    kept = []
+    for i, arg in enumerate(tree_flatten(output.args[0])[0]):
+        value = _value(arg)
+        if (isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor)
+                and value.dim() > 0 and value.shape[0] == batch
+                and (arg in sources or _ancestors(arg) & sources)):
+            kept.append(i)
+    return tuple(kept)
+
+
+def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int],
+                    kept: tuple[int, ...] = ()) -> LossOutput:
+    """Rewrite ``gm`` (in place) to return its loss, then the flat outputs at ``kept`` (an
+    evaluation graph's, which needs no loss if it keeps any); ``params``: parameter
+    positions."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_names = {placeholders[i].name for i in params if i < len(placeholders)}
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -132,8 +178,11 @@ def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
         i for i, (arg, value) in enumerate(zip(flat, values, strict=True))
         if isinstance(arg, torch.fx.Node) and isinstance(value, torch.Tensor)
         and value.dim() == 0 and value.is_floating_point() and reads_parameter(arg, param_names)
+        and i not in kept
     ]
     candidates = _total(flat, candidates) or candidates
+    if not candidates and kept:  # an evaluation without a loss
+        return _rewrite_outputs(gm, output, flat, values, None, kept)
     if len(candidates) != 1:
         found = ", ".join(_describe(v) for v in values) or "nothing"
         reason = ("no floating scalar that depends on the parameters" if not candidates else
@@ -146,7 +195,11 @@ def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
             f"{reason}. Return the loss (e.g. F.cross_entropy(logits, targets)) alone, or "
             "sum several losses into one"
         )
-    index = candidates[0]
+    return _rewrite_outputs(gm, output, flat, values, candidates[0], kept)
+
+
+def _rewrite_outputs(gm: torch.fx.GraphModule, output: torch.fx.Node, flat: list[Any],
+                     values: list[Any], index: int | None, kept: tuple[int, ...]) -> LossOutput:
     others = tuple(None if i == index or not isinstance(v, torch.Tensor) else
                    (tuple(int(s) for s in v.shape), v.dtype) for i, v in enumerate(values))
     constants = tuple(None if isinstance(v, torch.Tensor) or isinstance(a, torch.fx.Node)
@@ -157,9 +210,10 @@ def rewrite_to_loss(gm: torch.fx.GraphModule, params: set[int]) -> LossOutput:
                          "that is not a tensor; with pp > 1 return the loss alone")
     # Nodes only the dropped outputs read stay: the stage graphs are traced functionally from
     # the loss, so AOTAutograd leaves them out, and a side effect among them is kept.
-    output.args = ((flat[index],),)
+    output.args = (tuple(flat[i] for i in ((index,) if index is not None else ()) + kept),)
     gm.recompile()
-    return LossOutput(index=index, count=len(flat), others=others, constants=constants)
+    return LossOutput(index=index, count=len(flat), others=others, constants=constants,
+                      kept=kept)
 
 
 # A loss's own final reduction over the batch (``passes/loss_normalization.py`` reads these).

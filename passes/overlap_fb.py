@@ -156,8 +156,8 @@ def overlap_fb(program: Program, ctx: PassContext) -> PassResult:
     graphs = dict(program.graphs)
     overlapped: dict[int, dict[int, OverlappedGraph]] = {}
     for f_stage, b_stage in pairs:
-        if b_stage in stages[f_stage].overlapped:
-            continue
+        if b_stage in stages[f_stage].overlapped or stages[b_stage].backward is None:
+            continue  # made already, or an evaluation program (forward-only graphs)
         forward = graphs[program.graph_name(f_stage, "forward")]
         merged = interleave(forward, graphs[program.graph_name(b_stage, "backward")])
         graphs[program.graph_name(f_stage, f"fb{b_stage}")] = merged

@@ -121,7 +121,9 @@ def split_weight_grad(program: Program, ctx: PassContext) -> PassResult:
         return PassResult(program, False)
     splits = {}
     for stage in program.stages:
-        backward = program.graphs[program.graph_name(stage.index, "backward")]
+        backward = program.graphs.get(program.graph_name(stage.index, "backward"))
+        if backward is None:  # an evaluation program: forward-only graphs
+            continue
         splits[stage.index] = split_backward(backward, len(stage.param_inputs))
     graphs: dict[str, torch.fx.GraphModule] = {}
     for name, graph in program.graphs.items():
@@ -133,7 +135,8 @@ def split_weight_grad(program: Program, ctx: PassContext) -> PassResult:
     stages = tuple(dataclasses.replace(
         stage, input_grad=splits[stage.index].input_grad,
         weight_grad=splits[stage.index].weight_grad, w_inputs=splits[stage.index].w_inputs,
-        num_input_grads=splits[stage.index].num_input_grads) for stage in program.stages)
+        num_input_grads=splits[stage.index].num_input_grads) if stage.index in splits
+        else stage for stage in program.stages)
     stats = {"stages": len(splits),
              "i_nodes": sum(s.i_nodes for s in splits.values()),
              "w_nodes": sum(s.w_nodes for s in splits.values()),

@@ -249,7 +249,9 @@ def _from_device_mesh(device_mesh: Any, pp: int, world: int, rank: int,
     )
 
 
-_HOST_DP_MESHES: dict[str, Any] = {}
+# By the data-parallel group object, weakly: a group name comes again after
+# ``destroy_process_group()``, so a later world must not find an earlier world's mesh.
+_HOST_DP_MESHES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def host_dp_mesh(mesh: Mesh) -> Any:
@@ -264,7 +266,8 @@ def host_dp_mesh(mesh: Mesh) -> Any:
         return None
     if device_mesh.device_type == "cpu":
         return device_mesh
-    cached = _HOST_DP_MESHES.get(mesh.dp_group_name) if mesh.dp_group_name else None
+    key = device_mesh.get_group() if mesh.dp_group_name else None
+    cached = _HOST_DP_MESHES.get(key) if key is not None else None
     if cached is not None:
         return cached
     from torch.distributed.device_mesh import DeviceMesh
@@ -279,6 +282,6 @@ def host_dp_mesh(mesh: Mesh) -> Any:
     with disable_current_modes():  # a planned world's fake tensor mode: the mesh is real
         host_mesh = DeviceMesh.from_group(mine, "cpu", mesh_dim_names=("dp",))
     shutdown.track_device_mesh(host_mesh)
-    if mesh.dp_group_name:
-        _HOST_DP_MESHES[mesh.dp_group_name] = host_mesh
+    if key is not None:
+        _HOST_DP_MESHES[key] = host_mesh
     return host_mesh

@@ -14,18 +14,21 @@ seconds when a peer's step failed (``zeroc.runtime.pipeline_abort.wait``).
 ``exchange_and_sum`` adds up the gradients of parameters that several pipeline ranks hold (a
 tied embedding and head on the first and last stage, DualPipe's two copies of every stage):
 every holder sends its gradient to the others and sums all of them in rank order, so every
-holder ends with bitwise the same sum.
+holder ends with bitwise the same sum. ``owns_storage`` tells the executor whether a
+micro-batch's first gradient may be kept and added to in place (a fresh tensor of its own
+storage) or must be copied.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import nccl_order, pipeline_abort
+from zeroc.runtime import fake_replay, nccl_order, pipeline_abort
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,3 +116,16 @@ def exchange_and_sum(
             total.add_(part)
         summed[index] = total
     return summed
+
+
+def storage_counts(values: tuple[Any, ...]) -> dict[int, int]:
+    """How many of ``values`` (tensors; others are skipped) use each storage (also fakes)."""
+    return dict(Counter(v.untyped_storage()._cdata for v in values
+                        if isinstance(v, torch.Tensor) and v.numel()))
+
+
+def owns_storage(grad: torch.Tensor, storages: dict[int, int]) -> bool:
+    """Whether ``grad`` owns its storage: no view, exactly its size, shared by no other value."""
+    storage = grad.untyped_storage()
+    return (not fake_replay.is_view(grad) and storage.nbytes() == grad.numel() * grad.element_size()
+            and storages.get(storage._cdata, 0) == 1)

@@ -40,19 +40,18 @@ and the per-step ZeRO buckets as ``runtime/pipeline_zero.py`` names them.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zeroc.runtime import fake_replay
 from zeroc.runtime.actions import Action, ActionKind, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
-from zeroc.runtime.p2p import exchange_and_sum
+from zeroc.runtime.p2p import exchange_and_sum, owns_storage, storage_counts
 from zeroc.runtime.pipeline_abort import AbortWatch, StepCounter
 from zeroc.runtime.pipeline_inputs import check_same_shapes
 from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
+from zeroc.runtime.pipeline_outputs import EvaluationOutputs
 from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
 from zeroc.runtime.pipeline_zero import StepZero, zero_order
 from zeroc.runtime.program import PipelineLayout, Program, StageProgram
@@ -115,6 +114,10 @@ class PipelineExecutor:
                          for m in range(schedule.num_microbatches)}
         self._param_inputs = tuple(dict.fromkeys(  # this rank's: each gets a gradient
             i for p in stages.values() for i in p.param_inputs))
+        self.evaluation = EvaluationOutputs(
+            layout.outputs, schedule, layout.microbatch, position, layout.global_ranks,
+            layout.group_name) if layout.outputs else None
+        self.outputs: tuple[torch.Tensor, ...] = ()  # the latest evaluation step's
         log.debug("zeroc: pipeline position %d runs stages %s: %d action groups per step",
                   position, sorted(stages), len(self.groups[True][position]))
 
@@ -182,6 +185,8 @@ class PipelineExecutor:
                     self.zero.reduce_ready(position, self._grads, inputs)
             self.messages.end()
             clock.step_done(marks, train)
+            if self.evaluation is not None and not train:
+                self.outputs = self.evaluation.finish(device)
             with record(_SYNC):
                 loss = self.sync.finish(self._loss, clock, train, inputs, self._scale)
             grads = self._grads
@@ -274,9 +279,12 @@ class PipelineExecutor:
         received = self._received
         produced = dict(zip(program.out_keys, outs, strict=False))
         done = len(program.out_keys) + program.num_model_outputs
-        for value in outs[len(program.out_keys):done]:
+        losses = len(program.out_keys) + int(program.num_model_outputs > 0 and self.layout.has_loss)
+        for value in outs[len(program.out_keys):losses]:
             self._loss += value.detach().double().sum()
             self._loss_dtype = value.dtype  # the backward's seed is of the loss's dtype
+        if self.evaluation is not None and losses < done:  # after the loss: per-sample ones
+            self.evaluation.add(microbatch, tuple(outs[losses:done]))
         if self._train:
             self._saved[(stage, microbatch)] = list(outs[done:])
         if stage == self.last_stage:
@@ -354,8 +362,8 @@ class PipelineExecutor:
                     held.add_(grad)
                 continue
             if storages is None:
-                storages = _storage_counts(call)
-            self._grads[index] = grad if _fresh(grad, storages) else grad.clone()
+                storages = storage_counts(call)
+            self._grads[index] = grad if owns_storage(grad, storages) else grad.clone()
 
     def _backward(self, stage: int, microbatch: int, split: bool) -> None:
         program = self.stages[stage]
@@ -385,15 +393,3 @@ class PipelineExecutor:
         self.backward_results(action.b_stage, action.b_microbatch, outs[n_fwd:],
                               (*f_args, *b_args, *outs))
 
-
-def _storage_counts(values: tuple[Any, ...]) -> dict[int, int]:
-    """How many of ``values`` (tensors; others are skipped) use each storage (also fakes)."""
-    return dict(Counter(v.untyped_storage()._cdata for v in values
-                        if isinstance(v, torch.Tensor) and v.numel()))
-
-
-def _fresh(grad: torch.Tensor, storages: dict[int, int]) -> bool:
-    """Whether ``grad`` owns its storage: no view, exactly its size, shared by no other value."""
-    storage = grad.untyped_storage()
-    return (not fake_replay.is_view(grad) and storage.nbytes() == grad.numel() * grad.element_size()
-            and storages.get(storage._cdata, 0) == 1)

@@ -82,6 +82,11 @@ class PipelineLayout:
     # the batch inputs' names for its errors.
     host_group_name: str = ""
     input_names: dict[int, str] = dataclasses.field(default_factory=dict)
+    # The last stage's model outputs: the loss (unless an evaluation graph has none), then an
+    # evaluation graph's per-sample outputs, (shape, dtype) at the call's sizes
+    # (runtime/pipeline_outputs).
+    has_loss: bool = True
+    outputs: tuple[tuple[tuple[int, ...], Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

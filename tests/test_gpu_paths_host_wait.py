@@ -1,7 +1,7 @@
 """Where a pipelined step makes the host wait for a CUDA device, counted.
 
-README ("A steady training step never makes the host wait...") names one wait in a pipelined
-call: at its end, before its closing all-gather, ``runtime/pipeline_sync.read_rows`` waits for
+docs/pipelines.md ("A steady training step never makes the host wait...") names one wait in a
+pipelined call: at its end, before its closing all-gather, ``runtime/pipeline_sync.read_rows`` waits for
 the previous call's gathered rows to reach the host, and only while the device still runs
 that call. The planned world's fake CUDA completes every event at once, so there the wait is
 never taken (``tests/test_host_syncs.py`` counts none in steady DualPipeV steps); here the

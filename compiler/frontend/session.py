@@ -131,9 +131,11 @@ class CompileSession:
         return [p.record for p in self.programs.values()]
 
     def pipelined(self) -> Program | None:
-        """The pipelined (pp > 1) Program of this session, if it compiled one (the latest)."""
-        return next((p for p in reversed(self.programs.values()) if p.schedule is not None),
-                    None)
+        """The pipelined (pp > 1) Program of this session, if it compiled one: the latest that
+        trains, else the latest (an evaluation program has forward-only stages)."""
+        pipelined = [p for p in reversed(self.programs.values()) if p.schedule is not None]
+        return next((p for p in pipelined if any(s.forward is not None for s in p.stages)),
+                    pipelined[0] if pipelined else None)
 
     def pipelined_executor(self) -> Any:
         """What runs ``pipelined()`` (its ``PipelineExecutor``), or None."""

@@ -20,7 +20,14 @@
 
 Train-step mode (DESIGN.md §4.6): calling the compiled model runs the whole schedule. The loss
 comes back from a ``torch.autograd.Function`` that kept the parameter gradients; its backward
-multiplies them by the incoming gradient. Under ``torch.no_grad()`` only forwards run.
+multiplies them by the incoming gradient.
+
+Evaluation. A graph Dynamo traced with gradients off (``torch.no_grad()``,
+``torch.inference_mode()``; Dynamo guards on the grad mode, so it only ever runs so) is an
+evaluation graph: its stages get forward-only graphs alone (no joint graph, no backward), its
+schedule runs forwards only, and it returns the model's per-sample outputs (logits) whole on
+every rank of the pipeline beside the loss (``zeroc.passes.loss_output``,
+``zeroc.runtime.pipeline_outputs``), with or without a loss.
 """
 
 from __future__ import annotations
@@ -152,7 +159,8 @@ def _compile_pipeline(
     progress = CompileProgress(log, "pipeline")
     prefix = f"g{session.next_graph_index()}"
     progress.what = prefix
-    front = pipeline_front(gm, example_inputs, config, layout, prefix, dynamic_gm)
+    evaluation = not torch.is_grad_enabled()  # Dynamo guards the graph on it
+    front = pipeline_front(gm, example_inputs, config, layout, prefix, dynamic_gm, evaluation)
     shared = layout.planned.shared if layout.planned is not None else None
     if shared is not None and shared.front_only:  # the planned world's front: compile nothing
         raise FrontBuilt
@@ -180,19 +188,22 @@ def _compile_pipeline(
     log.debug("zeroc: %s: traced and split into %d stages in %.2f s", prefix,
               schedule.num_stages, progress.lap())
     programs = {}
+    # An evaluation's forward-only graphs are compiled now, before its Program exists.
+    inference_graphs: dict[str, Any] = {}
+    compiled_later = inference_graphs.__setitem__ if evaluation else functools.partial(
+        session.add_graph, prefix)
     for k, s in enumerate(mine):
         progress.step("stage %d of %d on this rank (s%d of %d)", k + 1, len(mine), s,
                       schedule.num_stages)
         programs[s] = _compile_stage(split, s, trace, batch_inputs, batch // microbatches,
                                      config, record, names, device,
-                                     functools.partial(session.add_graph, prefix),
-                                     layout.planned)
+                                     compiled_later, layout.planned, evaluation)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("zeroc: %s.s%d compiled in %.2f s: %s", prefix, s, progress.lap(),
                       decisions(p for p in record.passes if p.graph.startswith(f"{prefix}.s{s}.")))
     # Parameters whose every reader's backward returns no gradient (read under no_grad, or
     # only through integer ops): they get none, as in eager, instead of zeros.
-    without_gradient = check_stages(
+    without_gradient = frozenset() if evaluation else check_stages(
         front.split.stages, programs, front.differentiated,
         {i: names[i] for i in params if example_inputs[i].requires_grad})
     holders: dict[int, set[int]] = {}
@@ -225,10 +236,14 @@ def _compile_pipeline(
         reduce_quant=config.reduce_quant,
         host_group_name=layout.mesh.pp_host_group_name,
         input_names={i: f"input {names[i]!r}" for i in batch_inputs},  # source names
+        has_loss=loss_output.index is not None,
+        outputs=loss_output.kept_specs,
     )
     program = pipeline_program(
         prefix, programs, schedule, pipeline, layout,
         stage_summaries(split, example_inputs, params, layout), position_params)
+    for name, graph in inference_graphs.items():
+        program = program.with_graph(name, graph)
     program = program_with_inductor(run_program_passes(program, config, record, device,
                                                        layout.planned is not None),
                                     StageCompiler(config, record, prefix, device, {},
@@ -242,8 +257,8 @@ def _compile_pipeline(
         record.collectives.extend(step_buckets)
     # The session holds the Program that runs (with the step's collectives) and what runs it.
     session.set_program(dataclasses.replace(program, collectives=tuple(step_buckets)), executor)
-    grad_inputs = tuple(sorted(i for i in params if example_inputs[i].requires_grad
-                               and i not in without_gradient))
+    grad_inputs = () if evaluation else tuple(sorted(
+        i for i in params if example_inputs[i].requires_grad and i not in without_gradient))
     if log.isEnabledFor(logging.INFO):
         log.info("zeroc: %s compiled in %.2f s (%s kernels): pipeline of %d stages, s%s on this "
                  "rank (position %d of %d); schedule %s, %d micro-batches of %d, %d actions "
@@ -282,19 +297,20 @@ def _example_args(split: StageSplit, index: int, trace: StageTrace, batch_inputs
 def _compile_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
                    microbatch: int, config: Config, record: CompiledGraph, names: list[str],
                    device: torch.device, compiled_later: Callable[..., None],
-                   planned: PlannedWorld | None) -> StageProgram:
+                   planned: PlannedWorld | None, evaluation: bool = False) -> StageProgram:
     """Stage ``index``'s graphs, traced on ``trace``'s fake tensors
     (``zeroc.pipeline.stage_trace``); ``compiled_later(name, graph)`` is told of its
-    inference graph when the first ``no_grad`` call compiles it."""
+    inference graph when the first ``no_grad`` call compiles it. ``evaluation``: the
+    forward-only graph alone, compiled now."""
     with trace.tracing():
         return _traced_stage(split, index, trace, batch_inputs, microbatch, config, record,
-                             names, device, compiled_later, planned)
+                             names, device, compiled_later, planned, evaluation)
 
 
 def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs: set[int],
                   microbatch: int, config: Config, record: CompiledGraph, names: list[str],
                   device: torch.device, compiled_later: Callable[..., None],
-                  planned: PlannedWorld | None) -> StageProgram:
+                  planned: PlannedWorld | None, evaluation: bool = False) -> StageProgram:
     """Stage ``index``'s joint graph from ``aot_export_joint_simple``, compiled by the one
     ``StageCompiler`` (joint passes, partition, graph passes, cross-rank check, records)."""
     spec = split.stages[index]
@@ -309,6 +325,12 @@ def _traced_stage(split: StageSplit, index: int, trace: StageTrace, batch_inputs
     # Inductor lowers the graphs traced with its own decompositions (zeroc's kernels need none).
     decompositions = inductor_decompositions() if compiler.path == "inductor" else None
     inference = LazyInference(spec.gm, args, trace, compiler.inference_now, decompositions)
+    if evaluation:  # no joint graph, no backward: the forward-only graph, compiled now
+        inference.compile()
+        return StageProgram(
+            index=index, forward=None, backward=None, param_inputs=spec.param_inputs,
+            local_inputs=spec.local_inputs, in_keys=spec.in_keys, out_keys=spec.out_keys,
+            num_model_outputs=spec.num_model_outputs, inference=inference)
     key = stage_reuse.signature(split, index, args) if shared is not None else None
     reused = stage_reuse.find(key, split, index, record, inference, shared)
     if reused is not None:

@@ -227,26 +227,29 @@ def shared_front(shared: SharedPlanning) -> PipelineFront | None:
 
 def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,
                    layout: ZeroLayout, prefix: str,
-                   dynamic_gm: torch.fx.GraphModule | None = None) -> PipelineFront:
+                   dynamic_gm: torch.fx.GraphModule | None = None,
+                   evaluation: bool = False) -> PipelineFront:
     """The front of ``gm`` (the graph at the call's sizes; None: ``dynamic_gm`` specialized
     to them), taken from ``layout.planned.shared`` when a position of the same planned world made it
     already. ``dynamic_gm``: the same graph with a symbolic batch dimension, if Dynamo gave
     one: the stages are then traced from it at the micro-batch size; otherwise ``gm``'s
-    batch-size constants are rewritten."""
+    batch-size constants are rewritten. ``evaluation``: the graph was traced with gradients
+    off; it keeps its per-sample outputs (``zeroc.passes.loss_output``)."""
     planned = layout.planned
     shared = planned.shared if planned is not None else None
     key = None
     if shared is not None and dynamic_gm is not None:
         sizes = tuple(int(v) for v in example_inputs if isinstance(v, (int, torch.SymInt)))
         source = dynamic_gm.meta.get(SHARED_TRACE_META, dynamic_gm)
-        key = (id(source), sizes, prefix, repr(config.to_dict()))
+        key = (id(source), sizes, prefix, repr(config.to_dict()), evaluation)
         front = shared.fronts.get(key)
         if front is not None:
             return front.for_group(layout.dp_group_name)
     specializing = SPECIALIZE_PASSES if gm is None else ()
     if gm is None and planned is not None and planned.simulated:  # see _build: no full-batch graph
         specializing = SPECIALIZE_OUTPUTS_PASSES
-    front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm, specializing)
+    front = _build(gm, example_inputs, config, layout, prefix, dynamic_gm, specializing,
+                   evaluation)
     if key is not None and not _names_a_group(front.split):
         shared.fronts[key] = front
         shared.front_graphs[id(source)] = source  # keeps the id unique
@@ -255,7 +258,7 @@ def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], c
 
 def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: Config,
            layout: ZeroLayout, prefix: str, dynamic_gm: torch.fx.GraphModule | None,
-           specializing: tuple) -> PipelineFront:
+           specializing: tuple, evaluation: bool = False) -> PipelineFront:
     """The front, its passes run by ``run_passes`` and recorded: ``<prefix>.front`` on the
     graph at the call's sizes (``specializing`` makes it from ``dynamic_gm`` when ``gm`` is
     None), ``<prefix>.microbatch`` on the graph whose stages are compiled, ``<prefix>.dynamo``
@@ -270,15 +273,17 @@ def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: C
         return subject
 
     full = FrontContext(config=config, graph_name=f"{prefix}.front", kind="front",
-                        inputs=example_inputs, params=params)
+                        inputs=example_inputs, params=params, evaluation=evaluation)
     if gm is None:
         gm = run(dynamic_gm, full, specializing)
     check_one_graph(gm, layout, params, dynamic_gm if dynamic_gm is not None else gm,
                     example_inputs)
-    gm = run(gm, full, LOSS_PASSES)
-    differentiated = _differentiated(gm, dynamic_gm, full.loss_output)
     batch_inputs, batch = _batch_inputs(gm, example_inputs, params, config.unsplit_inputs)
-    if config.loss_reduction is None and dynamic_gm is not None:  # a per-sample loss
+    full.batch_inputs, full.traced_batch = batch_inputs, batch
+    gm = run(gm, full, LOSS_PASSES)
+    differentiated = None if evaluation else _differentiated(gm, dynamic_gm, full.loss_output)
+    if config.loss_reduction is None and dynamic_gm is not None \
+            and full.loss_output.index is not None:  # a per-sample loss
         check_sum_over_samples(dynamic_gm, full.loss_output.index, batch_inputs)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
@@ -324,7 +329,8 @@ def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: C
     names = [source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
     cut = FrontContext(config=config, graph_name=f"{prefix}.microbatch", kind="front",
                        params=params, names=names, batch_inputs=batch_inputs,
-                       microbatch=microbatch, num_stages=schedule.num_stages)
+                       microbatch=microbatch, num_stages=schedule.num_stages,
+                       evaluation=evaluation, kept_outputs=loss_output.kept)
     if micro_inputs is None:  # a static graph: its batch-size constants are rewritten
         gm, cut.traced_batch = full_gm, batch
     else:  # traced at the micro-batch size: nothing to rewrite

@@ -95,9 +95,11 @@ class PipelinedStep:
         if torch.is_grad_enabled() and self.grad_inputs:
             params = [inputs[i] for i in self.grad_inputs]
             loss = _TrainStep.apply(self, inputs, self._mode(inputs), *params)
-        else:
+        else:  # an evaluation program returns its per-sample outputs too (logits)
             loss, _ = self.executor.run(inputs, train=False)
-        # The model's other outputs (logits, caches) are meta tensors: see passes/loss_output.
+            return self.loss_output.outputs(loss, self.executor.outputs)
+        # A training step's other outputs (logits, caches) are meta tensors: see
+        # passes/loss_output.
         return self.loss_output.outputs(loss)
 
     def _mode(self, inputs: list[Any]) -> str:

@@ -105,8 +105,9 @@ def pipeline_program(prefix: str, stages: dict[int, StageProgram], schedule: Sch
     ``comm_lowering``)."""
     graphs = {}
     for index in sorted(stages):
-        for kind in ("forward", "backward"):
-            graphs[f"{prefix}.s{index}.{kind}"] = getattr(stages[index], kind)
+        for kind in ("forward", "backward"):  # none in an evaluation program
+            if getattr(stages[index], kind) is not None:
+                graphs[f"{prefix}.s{index}.{kind}"] = getattr(stages[index], kind)
     return Program(name=prefix, graphs=frozen_mapping(graphs),
                    stages=tuple(stages[s] for s in sorted(stages)), schedule=schedule,
                    pipeline=layout, zero=zero, summaries=summaries,
@@ -149,7 +150,8 @@ def program_with_inductor(program: Program, compiler: StageCompiler) -> Program:
     for stage in program.stages:
         graphs = {kind: compiler.kernels(program.graphs[program.graph_name(stage.index, kind)],
                                          program.graph_name(stage.index, kind))
-                  for kind in STAGE_GRAPHS}
+                  for kind in STAGE_GRAPHS
+                  if program.graph_name(stage.index, kind) in program.graphs}
         overlapped = {}
         for b_stage, graph in stage.overlapped.items():
             assert isinstance(graph, OverlappedGraph)

@@ -142,6 +142,13 @@ class LazyInference:
 
     def __call__(self, *args: Any) -> Any:
         if self.graph is None:
+            self.compile()
+        return self.graph(*args)  # type: ignore[misc]
+
+    def compile(self) -> None:
+        """Trace and compile the graph now (an evaluation graph's stages: before the first
+        call); nothing if it is compiled."""
+        if self.graph is None:
             gm = torch.fx.GraphModule(self.stage_gm, copy.deepcopy(self.stage_gm.graph))
             for node in gm.graph.nodes:
                 if node.target is torch.ops.zeroc.linear_cross_entropy.default:
@@ -155,7 +162,6 @@ class LazyInference:
                 self.graph = self.compile_graph(traced)
             log.debug("zeroc: traced a stage's forward-only graph on its first no_grad call")
             self.stage_gm = self.args = self.trace = None  # type: ignore[assignment]
-        return self.graph(*args)
 
 
 def export_stage(gm: torch.fx.GraphModule, args: list[Any], *, trace_joint: bool,
