@@ -131,7 +131,7 @@ def block_on_p2p() -> None:
     """Make this rank's zeroc pipeline wait for every message of a p2p group at the group
     itself (its receives and its sends), instead of right before the compute that reads a
     received value: the blocking executor the ``zeroc-blocking_*`` ablations measure."""
-    from zeroc.runtime.pipeline_messages import StepMessages
+    from zeroc.runtime.pipeline.messages import StepMessages
 
     overlapped = StepMessages.exchange
 

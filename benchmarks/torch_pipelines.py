@@ -227,7 +227,7 @@ def count_step(step: Any, compiled: Any, optimizer: torch.optim.Optimizer, x: to
             step(x, y)
             optimizer.step()
     else:
-        from zeroc.runtime.pipeline_executor import PipelineExecutor
+        from zeroc.runtime.pipeline.executor import PipelineExecutor
 
         run = PipelineExecutor.run
 

@@ -5,7 +5,7 @@ Runs on the Dynamo graph (torch-level IR), before AOTAutograd. It rewrites
     logits = F.linear(h, W, b)            # (..., vocab)
     loss = F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
 
-into one call of the chunked op of ``zeroc.runtime.linear_cross_entropy``, which never holds
+into one call of the chunked op of ``zeroc.runtime.kernels.linear_cross_entropy``, which never holds
 more than one chunk of logits and, when training, computes the gradients of ``h``, ``W`` and
 ``b`` during the forward. The language-model head of a GPT or Llama is the usual match; its
 ``rows x vocab`` logits, their log-softmax and their gradient are then never materialized.
@@ -41,7 +41,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-import zeroc.runtime.linear_cross_entropy  # noqa: F401  (registers the op)
+import zeroc.runtime.kernels.linear_cross_entropy  # noqa: F401  (registers the op)
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.runtime.cost.cost import concrete
 from zeroc.runtime.cost.hardware import device_memory_bytes

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from zeroc.passes.activation_recompute import tag_activation_recompute
 from zeroc.passes.dead_code import eliminate_dead_code
+from zeroc.passes.front.hoist_unshard import hoist_unshards
+from zeroc.passes.front.loss_normalization import normalize_loss
+from zeroc.passes.front.loss_output import keep_loss_output
+from zeroc.passes.front.microbatch_shapes import microbatch_graph
+from zeroc.passes.front.specialize_shapes import specialize, specialize_outputs
+from zeroc.passes.front.split_stages import split_stages
 from zeroc.passes.fusion import fusion
-from zeroc.passes.hoist_unshard import hoist_unshards
 from zeroc.passes.linear_cross_entropy import fuse_linear_cross_entropy
-from zeroc.passes.loss_normalization import normalize_loss
-from zeroc.passes.loss_output import keep_loss_output
-from zeroc.passes.microbatch_shapes import microbatch_graph
 from zeroc.passes.noop_views import remove_noop_views
 from zeroc.passes.secondary_shard import cut_secondary_shards
-from zeroc.passes.specialize_shapes import specialize, specialize_outputs
-from zeroc.passes.split_stages import split_stages
 from zeroc.passes.zero import lower_zero
 from zeroc.passes.zero_recompute import tag_zero_recompute
 
@@ -27,7 +27,7 @@ DYNAMO_PASSES = (
 )
 
 # The pipeline front (``zeroc.pipeline.pipeline_front``, with a
-# ``zeroc.passes.front_context.FrontContext``), on the Dynamo graph of a pipelined model, in
+# ``zeroc.passes.front.context.FrontContext``), on the Dynamo graph of a pipelined model, in
 # this order: a dynamic graph made static at the call's (or one micro-batch's) sizes,
 SPECIALIZE_PASSES = (
     specialize,

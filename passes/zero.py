@@ -25,12 +25,12 @@ group, ZeRO stage and dtype are packed in order of use into buckets of at most
 - ``gather_quant="int8"``: a bucket's shards are quantized together where its gather is
   issued (``zeroc::quantize_int8``, the send buffer), one all-gather moves the packed int8
   blocks and scales, and ``zeroc::dequantize_int8`` writes every parameter's padded flat
-  buffer in the gather dtype right after the wait (``zeroc.runtime.gather_quant``); a
+  buffer in the gather dtype right after the wait (``zeroc.runtime.quant.gather``); a
   bucket too small to gain is gathered exact.
 - ``reduce_quant="int8" | "int4"`` (stages 1-3): the rank-major bucket is quantized row by row
   with error feedback (``zeroc::quantize_grad_rows``), row r goes to rank r by one
   ``all_to_all_single`` (on every backend), and ``zeroc::dequantize_sum_mean`` sums the
-  received rows in float32 and averages them (``zeroc.runtime.reduce_quant``); the residual is
+  received rows in float32 and averages them (``zeroc.runtime.quant.reduce``); the residual is
   the bucket's parameters' in its model's store (``ctx.extras["residuals"]``).
 - hpZ (``secondary_shard=k``, ``zeroc.passes.secondary_shard``): a forward's
   ``unshard(secondary_shard(w))`` is folded to ``w``; the backward's gathers of the secondary
@@ -60,16 +60,16 @@ from zeroc.runtime.collectives import (
     functional,
     reduce_scatter_runs_as_all_to_all,
 )
-from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
-from zeroc.runtime.gather_quant import DEQUANTIZE_INT8, QUANTIZE_INT8, worth_quantizing
 from zeroc.runtime.plan.records import CollectiveInfo
-from zeroc.runtime.reduce_quant import (
+from zeroc.runtime.quant.gather import BLOCK as QUANT_BLOCK
+from zeroc.runtime.quant.gather import DEQUANTIZE_INT8, QUANTIZE_INT8, worth_quantizing
+from zeroc.runtime.quant.reduce import (
     DEQUANTIZE_SUM_MEAN,
     QUANTIZE_GRAD_ROWS,
     REDUCE_BITS,
     residual_key,
 )
-from zeroc.runtime.reduce_quant import worth_quantizing as worth_reducing_quantized
+from zeroc.runtime.quant.reduce import worth_quantizing as worth_reducing_quantized
 from zeroc.runtime.secondary_shard import SECONDARY_SHARD, secondary_groups
 from zeroc.runtime.zero_ops import WHOLE_FROM_SHARD, WHOLE_STAGES, group_size
 

@@ -189,7 +189,7 @@ def _host_groups(device_mesh: Any, rank: int) -> str:
     """The name of the group of ``rank``'s pipeline ranks that takes CPU tensors.
 
     A pipeline checks its ranks' batch shapes on the host before its first transfer of a
-    step (``runtime/pipeline_inputs``); an NCCL group takes no CPU tensor, so a gloo group of
+    step (``runtime/pipeline/inputs``); an NCCL group takes no CPU tensor, so a gloo group of
     the same ranks is made beside each pipeline group (group creation is collective: every
     rank makes every pipeline's, in the same order). A planned world (the ``fake`` backend,
     one process standing for every rank) makes its own and holds it to the CPU rule

@@ -23,7 +23,7 @@ would run with a stream per peer can hang on the shared stream (three ranks, eac
 send to the next before a receive from the previous: every rank's send waits for a receive
 queued behind its peer's own send).
 
-``recording()`` collects, per process, every transfer ``zeroc.runtime.p2p`` issues (peer,
+``recording()`` collects, per process, every transfer ``zeroc.runtime.pipeline.p2p`` issues (peer,
 shape, dtype, device, and which batch it belongs to). ``find_deadlock`` takes every rank's
 record and plays NCCL's matching: it returns ``None`` when every transfer completes, or a
 report naming, for each rank still waiting, its first pending transfers, and the mismatch or

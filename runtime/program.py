@@ -23,8 +23,8 @@ built (frozen dataclasses; a change is a new Program, ``dataclasses.replace``):
   (``zeroc.frontend.session_plan``), never from a record kept beside them.
 
 A Program is also a pass subject (``pass_text``, ``pass_size``, ``pass_check``): the program
-passes (``passes/split_weight_grad.py``, ``passes/overlap_fb.py``, ``passes/comm_lowering.py``)
-map a Program to a Program under ``run_passes``.
+passes (``passes/program/split_weight_grad.py``, ``passes/program/overlap_fb.py``,
+``passes/program/comm_lowering.py``) map a Program to a Program under ``run_passes``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from zeroc.runtime.actions import Schedule
-from zeroc.runtime.pipeline_zero import HoistedParam
+from zeroc.runtime.pipeline.zero import HoistedParam
 from zeroc.runtime.plan.records import CollectiveInfo, GraphInfo, KernelInfo, ParamInfo, PassInfo
 
 __all__ = ["PipelineLayout", "Program", "ProgramRecord", "StageProgram", "StageSummary",
@@ -66,25 +66,25 @@ class PipelineLayout:
     position: int
     global_ranks: tuple[int, ...]
     group_name: str
-    # How micro-batch losses combine (see zeroc.passes.loss_normalization): the graphs
+    # How micro-batch losses combine (see zeroc.passes.front.loss_normalization): the graphs
     # return numerators; the loss and every gradient are divided by the denominator, a
     # graph of the full-batch inputs (None: 1). "micro_mean" averages the micro-batches.
     loss_kind: str = "micro_mean"
     loss_denominator: Any = None
-    # ZeRO once per step (runtime/pipeline_zero.py): this rank's parameters whose gather was
+    # ZeRO once per step (runtime/pipeline/zero.py): this rank's parameters whose gather was
     # taken out of the stage graphs, and the bucket size of the per-step collectives.
     hoisted: dict[int, HoistedParam] = dataclasses.field(default_factory=dict)
     bucket_mb: float = 25.0
     prefetch: int = 1  # gather buckets in flight ahead of the one a stage waits for
     gather_quant: str | None = None  # "int8": the per-step gathers move int8 blocks + scales
     reduce_quant: str | None = None  # "int8" | "int4": the per-step reductions' rows quantized
-    # The group of the pipeline's ranks for host-side checks (runtime/pipeline_inputs) and
+    # The group of the pipeline's ranks for host-side checks (runtime/pipeline/inputs) and
     # the batch inputs' names for its errors.
     host_group_name: str = ""
     input_names: dict[int, str] = dataclasses.field(default_factory=dict)
     # The last stage's model outputs: the loss (unless an evaluation graph has none), then an
     # evaluation graph's per-sample outputs, (shape, dtype) at the call's sizes
-    # (runtime/pipeline_outputs).
+    # (runtime/pipeline/outputs).
     has_loss: bool = True
     outputs: tuple[tuple[tuple[int, ...], Any], ...] = ()
 

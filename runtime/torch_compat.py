@@ -27,9 +27,9 @@ have changed across torch versions, or may:
   ``passes/activation_recompute``, ``compiler/meta_skeleton``, ``compiler/pipeline_front``,
   ``runtime/op_timing``, ``codegen/inductor_graphs``);
 - ``UntypedStorage._cdata`` (a storage's identity: ``runtime/fake_replay``,
-  ``runtime/pipeline_executor``, ``compiler/model_profile``, ``compiler/meta_skeleton``);
+  ``runtime/pipeline/executor``, ``compiler/model_profile``, ``compiler/meta_skeleton``);
 - ``Tensor._base`` and ``Tensor._is_view()`` (``runtime/fake_replay``,
-  ``passes/split_stages``);
+  ``passes/front/split_stages``);
 - ``Module._parameters``, ``._buffers``, ``._modules``, ``._forward_hooks``,
   ``._forward_pre_hooks`` and ``Module._save_to_state_dict`` (``compiler/plan_capture``,
   ``compiler/model_profile``, ``compiler/meta_skeleton``, ``compiler/sharded_params``);

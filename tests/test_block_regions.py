@@ -22,7 +22,7 @@ import zeroc
 import zeroc.world.plan_capture as plan_capture
 from zeroc.frontend.block_regions import blocks_traced_once, inline_block_regions, repeated_blocks
 from zeroc.frontend.capture import source_name
-from zeroc.passes.stage_units import module_stack
+from zeroc.passes.front.stage_units import module_stack
 from zeroc.world.fake_world import _fake_inputs, fake_world, meta_copy, planned_world
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),

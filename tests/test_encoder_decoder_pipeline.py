@@ -1,7 +1,7 @@
 """Encoder-decoder pipelines: encoder and decoder blocks are all cut points.
 
 BART's ``model.encoder.layers`` and ``model.decoder.layers`` (T5's ``encoder.block`` and
-``decoder.block``) are both containers of blocks (``zeroc.passes.stage_units``), so a model of
+``decoder.block``) are both containers of blocks (``zeroc.passes.front.stage_units``), so a model of
 two encoder and two decoder layers has four cut points: DualPipeV's four stages at pp=2 hold
 one block each, the encoder's output travelling through the decoder's stages, and a user may
 pin a cut inside the encoder. BART under every schedule (GPipe, ZB1P, DualPipe and DualPipeV

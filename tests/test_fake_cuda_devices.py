@@ -60,7 +60,7 @@ def _graph_inputs(monkeypatch) -> dict[str, set[str]]:
     """The devices of the inputs of every graph run: whole-model graphs (``GraphExecutor``)
     and pipeline stage graphs (those of each ``PipelineExecutor``'s stage programs)."""
     from zeroc.runtime.executor import GraphExecutor
-    from zeroc.runtime.pipeline_executor import PipelineExecutor
+    from zeroc.runtime.pipeline.executor import PipelineExecutor
 
     seen: dict[str, set[str]] = {}
     run = GraphExecutor._run

@@ -175,7 +175,7 @@ def test_the_estimate_gives_each_graph_and_action_kind() -> None:
     FileCheck().check("by action kind on the slowest rank: F").check("p2p (per transfer)") \
         .check("est. time").run(str(plan))
     # The transfer is the largest message on the links: slow links hold the pipeline up.
-    from zeroc.passes.schedule import build_schedule
+    from zeroc.passes.program.schedule import build_schedule
     from zeroc.runtime.cost.simulate import ActionCosts, simulate
     from zeroc.world.step_estimate import _p2p_s
 

@@ -21,10 +21,10 @@ from torch.testing import FileCheck
 import zeroc
 from zeroc.frontend.config import Config
 from zeroc.passes.base import PassContext, PassResult, run_passes
-from zeroc.passes.front_context import FrontContext, PassOrderError
+from zeroc.passes.front.context import FrontContext, PassOrderError
+from zeroc.passes.front.split_stages import split_stages
+from zeroc.passes.front.stage_balance import partition_costs
 from zeroc.passes.pipeline import HOIST_PASSES, LOSS_PASSES, NORMALIZE_PASSES, STAGE_PASSES
-from zeroc.passes.split_stages import split_stages
-from zeroc.passes.stage_balance import partition_costs
 from zeroc.tuning import tune_screen
 from zeroc.world import plan_workers
 

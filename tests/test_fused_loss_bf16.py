@@ -24,12 +24,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zeroc.runtime import linear_cross_entropy as lce
+from zeroc.runtime.kernels import linear_cross_entropy as lce
 
 CASES = textwrap.dedent('''
     import json, sys, warnings
     import torch, torch.nn.functional as F
-    from zeroc.runtime import linear_cross_entropy as lce
+    from zeroc.runtime.kernels import linear_cross_entropy as lce
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy, in the interpreter
     INF, NAN = float("inf"), float("nan")
@@ -37,7 +37,7 @@ CASES = textwrap.dedent('''
     def chunk_step(kernel):
         if kernel == "torch":
             return lambda *args, block=None: lce._torch_chunk(*args)
-        from zeroc.runtime.cross_entropy_triton import cross_entropy_chunk
+        from zeroc.runtime.kernels.cross_entropy_triton import cross_entropy_chunk
         return cross_entropy_chunk
 
     def compare(got, want):

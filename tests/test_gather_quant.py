@@ -19,7 +19,7 @@ from models.gpt import GPT, GPTConfig
 import zeroc
 from zeroc.errors import OptionError
 from zeroc.frontend.config import Config
-from zeroc.runtime.gather_quant import (
+from zeroc.runtime.quant.gather import (
     BLOCK,
     DEQUANTIZE_INT8,
     QUANTIZE_INT8,
@@ -96,7 +96,7 @@ def test_quantize_refuses_integer_shards() -> None:
 
 TRITON_CHECK = textwrap.dedent("""
     import torch
-    from zeroc.runtime import gather_quant as gq
+    from zeroc.runtime.quant import gather as gq
     generator = torch.Generator().manual_seed(0)
     for widths in ([1], [256], [257], [1500], [16, 300, 5, 700]):
         ranks = [[torch.randn(w, generator=generator) * 3 for w in widths] for _ in range(2)]

@@ -73,7 +73,7 @@ def test_kept_collectives_and_their_checks(monkeypatch: pytest.MonkeyPatch) -> N
     assert paths.check_counts({"all_gather int8": 7, "all_gather float32": 2,
                                "reduce_scatter int8": 4}, quantized=True) is None
     wait = {"what": "torch.cuda.Event.synchronize",
-            "site": "runtime/pipeline_sync.py:101 (read_rows)"}
+            "site": "runtime/pipeline/sync.py:101 (read_rows)"}
     position = {"position": 0, "error": None, "step_s": [0.1] * 6,
                 "syncs": {"3": [], "4": [wait], "5": [wait]}}
     assert paths.pipeline_figures({"steps": 6, "positions": [position]})["ok"]

@@ -1,12 +1,12 @@
 """Where a pipelined step makes the host wait for a CUDA device, counted.
 
 docs/pipelines.md ("A steady training step never makes the host wait...") names one wait in a
-pipelined call: at its end, before its closing all-gather, ``runtime/pipeline_sync.read_rows`` waits for
-the previous call's gathered rows to reach the host, and only while the device still runs
-that call. The planned world's fake CUDA completes every event at once, so there the wait is
-never taken (``tests/test_host_syncs.py`` counts none in steady DualPipeV steps); here the
-steady steps of the planned CUDA world are counted again with that read watched, and the
-CUDA branch of ``StepSync.finish`` is run with events the test completes by hand, under
+pipelined call: at its end, before its closing all-gather, ``runtime/pipeline/sync.read_rows``
+waits for the previous call's gathered rows to reach the host, and only while the device still
+runs that call. The planned world's fake CUDA completes every event at once, so there the wait
+is never taken (``tests/test_host_syncs.py`` counts none in steady DualPipeV steps); here the
+steady steps of the planned CUDA world are counted again with that read watched, and the CUDA
+branch of ``StepSync.finish`` is run with events the test completes by hand, under
 ``count_host_syncs``: one ``Event.synchronize`` at ``read_rows`` while the previous call's
 event is pending, none once it completed, and the step clock's timings never wait.
 """
@@ -19,8 +19,9 @@ import pytest
 import torch
 from test_host_syncs import steady_syncs  # the planned CUDA world's steady steps
 
-from zeroc.runtime import pipeline_sync, step_clock
-from zeroc.runtime.pipeline_sync import StepSync
+from zeroc.runtime import step_clock
+from zeroc.runtime.pipeline import sync as pipeline_sync
+from zeroc.runtime.pipeline.sync import StepSync
 from zeroc.world.host_syncs import HostSync, count_host_syncs
 
 
@@ -75,7 +76,7 @@ def test_a_pipelined_call_waits_once_only_while_the_device_runs_the_previous_one
     assert len(pipeline_sync._UNREAD) == 1  # its rows, on their way to the host
     syncs = call()  # the device still runs the first call: the one wait
     assert [s.what for s in syncs] == ["torch.cuda.Event.synchronize"], syncs
-    assert "pipeline_sync.py" in syncs[0].site and "(read_rows)" in syncs[0].site, syncs
+    assert "pipeline/sync.py" in syncs[0].site and "(read_rows)" in syncs[0].site, syncs
     assert _Event.waits == 1 and sync.timings is None  # no timed step was complete then
     _Event.done = True  # the device passed the second call: nothing to wait for
     assert call() == [] and _Event.waits == 1

@@ -138,7 +138,7 @@ def guard_job(rank: int, world: int) -> dict:
     torch.compile(model, backend="zeroc", options={"microbatches": 4})(x, y).backward()
     out["pp"] = {n: g for n, g in _grads(model).items() if g is not None and g.numel()}
     # Planted: the pipeline's dead-code clean-up forgets that add_ writes in place.
-    import zeroc.passes.loss_normalization as normalization
+    import zeroc.passes.front.loss_normalization as normalization
 
     kept = normalization.has_effect
     normalization.has_effect = lambda node: node.is_impure()

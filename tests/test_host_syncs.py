@@ -26,9 +26,10 @@ from torch._subclasses.fake_tensor import (
 )
 
 import zeroc
-from zeroc.runtime import fake_replay, pipeline_sync, step_clock
-from zeroc.runtime.pipeline_executor import PipelineExecutor
-from zeroc.runtime.pipeline_sync import LossScale, StepSync, read_rows
+from zeroc.runtime import fake_replay, step_clock
+from zeroc.runtime.pipeline import sync as pipeline_sync
+from zeroc.runtime.pipeline.executor import PipelineExecutor
+from zeroc.runtime.pipeline.sync import LossScale, StepSync, read_rows
 from zeroc.world.fake_world import fake_world, meta_copy, planned_world
 from zeroc.world.host_syncs import count_host_syncs
 

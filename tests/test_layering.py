@@ -7,7 +7,8 @@
   the package's entry points (``zeroc/__init__.py``, ``zeroc/__main__.py``).
 - No import cycles between modules. Imports under ``if TYPE_CHECKING:`` are not imports.
 - ``compiler/`` holds subpackages only, besides the package's own three files.
-- ``docs/architecture.md`` names every module.
+- ``docs/architecture.md`` names every module; no package folder holds more than 20 modules;
+  the README and the architecture map stay short.
 """
 
 from __future__ import annotations
@@ -161,3 +162,24 @@ def test_the_architecture_map_names_every_module() -> None:
                           for file in _modules().values())
         if not path.endswith("__init__") and f"`{path}`" not in text)
     assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_no_package_folder_holds_more_than_20_modules() -> None:
+    """A newcomer reads a folder at a glance: at most 20 modules at its top (``__init__``
+    included); more go into subpackages that name their job."""
+    crowded = {}
+    for folder in FOLDERS:
+        for root, dirs, files in os.walk(os.path.join(REPO, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            count = sum(name.endswith(".py") for name in files)
+            if count > 20:
+                crowded[os.path.relpath(root, REPO)] = count
+    assert not crowded, crowded
+
+
+@pytest.mark.parametrize(("page", "most"), [("README.md", 250), ("docs/architecture.md", 300)])
+def test_the_front_pages_stay_short(page: str, most: int) -> None:
+    """The README (what zeroc is, two commands, the loop, links) and the architecture map."""
+    with open(os.path.join(REPO, page), encoding="utf-8") as text:
+        lines = len(text.read().splitlines())
+    assert lines <= most, f"{page} has {lines} lines (at most {most})"

@@ -22,8 +22,10 @@ from models.gpt import GPT, GPTConfig
 
 import zeroc
 from zeroc.frontend import log_setup
-from zeroc.runtime import executor, pipeline_zero, pipeline_zero_order
-from zeroc.runtime.pipeline_zero import HoistedParam, StepZero, ZeroOrder
+from zeroc.runtime import executor
+from zeroc.runtime.pipeline import zero as pipeline_zero
+from zeroc.runtime.pipeline import zero_order as pipeline_zero_order
+from zeroc.runtime.pipeline.zero import HoistedParam, StepZero, ZeroOrder
 from zeroc.runtime.plan.records import PassInfo
 
 

@@ -9,8 +9,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-import zeroc.runtime.linear_cross_entropy  # noqa: F401  (the op the pass also reads)
-from zeroc.passes.loss_normalization import LossReductionError, loss_to_numerator
+import zeroc.runtime.kernels.linear_cross_entropy  # noqa: F401  (the op the pass also reads)
+from zeroc.passes.front.loss_normalization import LossReductionError, loss_to_numerator
 
 
 class Positional(torch.nn.Module):

@@ -22,7 +22,7 @@ from torch.testing import FileCheck
 import zeroc
 from zeroc.passes import linear_cross_entropy as fused_pass
 from zeroc.passes.linear_cross_entropy import autocast_dtype
-from zeroc.runtime.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
+from zeroc.runtime.kernels.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
 
 ROWS, WIDTH, VOCAB = 37, 16, 50
 

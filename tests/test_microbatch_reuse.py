@@ -15,7 +15,7 @@ import torch
 from models.gpt import GPT, GPTConfig
 
 import zeroc
-import zeroc.passes.microbatch_shapes as microbatch_shapes
+import zeroc.passes.front.microbatch_shapes as microbatch_shapes
 import zeroc.world.plan_workers as plan_workers
 
 

@@ -251,8 +251,8 @@ def test_an_uncaught_stage_error_stops_the_other_rank_within_seconds() -> None:
 
 
 def test_step_heads_name_both_ranks_steps_and_kinds() -> None:
-    from zeroc.runtime.pipeline_abort import StepMismatchError
-    from zeroc.runtime.pipeline_inputs import _check_steps
+    from zeroc.runtime.pipeline.abort import StepMismatchError
+    from zeroc.runtime.pipeline.inputs import _check_steps
 
     _check_steps([[3, 1], [3, 1]], (0, 1))
     with pytest.raises(StepMismatchError, match=r"rank 4 runs step 3 \(a training step\) and "
@@ -278,8 +278,8 @@ def test_a_watched_wait_ends_when_the_store_holds_a_failure() -> None:
 
     import torch.distributed as dist
 
-    from zeroc.runtime import pipeline_abort
-    from zeroc.runtime.pipeline_abort import (
+    from zeroc.runtime.pipeline import abort as pipeline_abort
+    from zeroc.runtime.pipeline.abort import (
         ABORT_KEY,
         AbortRecord,
         AbortWatch,

@@ -1,5 +1,5 @@
 """The batch a pipeline's ranks pass, checked before the step's first transfer
-(``zeroc.runtime.pipeline_inputs``) and compared by its bit patterns after it.
+(``zeroc.runtime.pipeline.inputs``) and compared by its bit patterns after it.
 
 Ranks of one pipeline given batches of different shapes used to abort in gloo (the stages'
 transfers had different sizes) instead of raising the documented error; identical batches

@@ -173,7 +173,7 @@ def evaluation_job(rank: int, world: int) -> dict:
                              options={"microbatches": 2, "fused_loss": True})
     idx, targets = batch()
     compiled(idx, targets.clamp(min=0)).backward()
-    from zeroc.runtime.pipeline_executor import PipelineExecutor
+    from zeroc.runtime.pipeline.executor import PipelineExecutor
 
     ran = []
     for name in ("_backward", "_weight"):

@@ -62,7 +62,7 @@ def counting_job(rank: int, world: int, zero: int, reshard: bool,
         **(options or {})})
     optimizer = torch.optim.AdamW(model.parameters(), **ADAM)
     dp_index = model._zeroc_layout.mesh.dp_index
-    from zeroc.runtime.pipeline_executor import PipelineExecutor
+    from zeroc.runtime.pipeline.executor import PipelineExecutor
 
     counters = []
     run = PipelineExecutor.run
@@ -137,8 +137,8 @@ def test_quantized_collectives_once_per_step_in_a_pipeline() -> None:
     collectives (pp=2 x dp=2, ZeRO-3): the same one gather and one reduction per stage, the
     gathers int8 and the reductions int4 with their packed buffers' bytes, the losses within
     the quantization's reach of eager's."""
-    from zeroc.runtime.gather_quant import BLOCK, quantized_bytes
-    from zeroc.runtime.reduce_quant import row_bytes
+    from zeroc.runtime.quant.gather import BLOCK, quantized_bytes
+    from zeroc.runtime.quant.reduce import row_bytes
 
     got = run_ranks(counting_job, 4, 3, False, {"gather_quant": "int8", "reduce_quant": "int4"},
                     timeout=400)

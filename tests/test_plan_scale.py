@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch.testing import FileCheck
 
-from zeroc.passes.schedule import build_schedule
+from zeroc.passes.program.schedule import build_schedule
 from zeroc.runtime.cost.simulate import ActionCosts, simulate
 from zeroc.runtime.plan.plan import Plan, PlanMeta
 from zeroc.runtime.plan.plan_text import (

@@ -27,7 +27,7 @@ import zeroc.world.plan_workers as plan_workers
 import zeroc.world.world_plan as world_plan
 from zeroc.frontend.stage_compiler import StageCompiler
 from zeroc.runtime import mesh
-from zeroc.runtime.pipeline_executor import PipelineExecutor
+from zeroc.runtime.pipeline.executor import PipelineExecutor
 from zeroc.runtime.world import FakeReplay, PlannedWorld, RealRun, SharedPlanning, stage_runner
 from zeroc.world.fake_world import fake_world, meta_copy, planned_world
 

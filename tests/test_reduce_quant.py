@@ -16,9 +16,9 @@ import zeroc
 from zeroc.errors import OptionError
 from zeroc.frontend.backend import _check_quantization
 from zeroc.frontend.config import Config
-from zeroc.runtime import reduce_quant
-from zeroc.runtime.gather_quant import BLOCK
-from zeroc.runtime.reduce_quant import (
+from zeroc.runtime.quant import reduce as reduce_quant
+from zeroc.runtime.quant.gather import BLOCK
+from zeroc.runtime.quant.reduce import (
     DEQUANTIZE_SUM_MEAN,
     QUANTIZE_GRAD_ROWS,
     row_bytes,

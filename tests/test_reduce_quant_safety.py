@@ -1,4 +1,4 @@
-"""Quantized reductions are safe (``reduce_quant``, ``zeroc.runtime.reduce_quant``).
+"""Quantized reductions are safe (``reduce_quant``, ``zeroc.runtime.quant.reduce``).
 
 - A NaN or infinite gradient element never enters the error-feedback residual: that step's
   reduced element is NaN, the block's others are quantized as if it were zero, and the next
@@ -22,9 +22,9 @@ from dist_harness import run_ranks
 from models.gpt import GPT, GPTConfig
 
 import zeroc
-from zeroc.runtime import reduce_quant
-from zeroc.runtime.gather_quant import BLOCK
-from zeroc.runtime.reduce_quant import DEQUANTIZE_SUM_MEAN, QUANTIZE_GRAD_ROWS, store_of
+from zeroc.runtime.quant import reduce as reduce_quant
+from zeroc.runtime.quant.gather import BLOCK
+from zeroc.runtime.quant.reduce import DEQUANTIZE_SUM_MEAN, QUANTIZE_GRAD_ROWS, store_of
 from zeroc.world.host_syncs import count_host_syncs
 
 STEPS, BAD, SAVE = 6, 2, 4  # the NaN at step BAD; the checkpoint before step SAVE

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from zeroc.passes.comm_lowering import lower_communication, p2p_groups, verify_p2p
-from zeroc.passes.schedule import SCHEDULE_NAMES, build_schedule
+from zeroc.passes.program.comm_lowering import lower_communication, p2p_groups, verify_p2p
+from zeroc.passes.program.schedule import SCHEDULE_NAMES, build_schedule
 from zeroc.runtime.actions import (
     Action,
     ActionKind,

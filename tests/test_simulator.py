@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from torch.testing import FileCheck
 
-from zeroc.passes.comm_lowering import lower_communication
-from zeroc.passes.schedule import SCHEDULE_NAMES, build_schedule
+from zeroc.passes.program.comm_lowering import lower_communication
+from zeroc.passes.program.schedule import SCHEDULE_NAMES, build_schedule
 from zeroc.runtime.actions import Action, ActionKind, Schedule, data_inputs, forward, overlapped
 from zeroc.runtime.cost.simulate import ActionCosts, peak_activations, simulate
 from zeroc.runtime.plan.schedule_grid import cell_label, render_grid

@@ -20,8 +20,8 @@ from test_pipeline_losses import IGNORE, WithLoss, batch
 from torch import nn
 
 import zeroc
-import zeroc.passes.specialize_shapes as specialize_shapes
-from zeroc.passes.specialize_shapes import OUTPUTS_ONLY, outputs_only_copy, specialized_copy
+import zeroc.passes.front.specialize_shapes as specialize_shapes
+from zeroc.passes.front.specialize_shapes import OUTPUTS_ONLY, outputs_only_copy, specialized_copy
 from zeroc.world import plan_workers
 
 

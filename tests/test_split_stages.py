@@ -15,10 +15,10 @@ from models.llama import Llama, LlamaConfig
 from torch._functorch.aot_autograd import aot_export_joint_simple
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from zeroc.passes.microbatch_shapes import shrink_to_microbatch
-from zeroc.passes.overlap_fb import interleave
-from zeroc.passes.split_stages import cut_stages
-from zeroc.passes.split_weight_grad import split_backward
+from zeroc.passes.front.microbatch_shapes import shrink_to_microbatch
+from zeroc.passes.front.split_stages import cut_stages
+from zeroc.passes.program.overlap_fb import interleave
+from zeroc.passes.program.split_weight_grad import split_backward
 
 BATCH, MICRO = 4, 2
 

@@ -1,4 +1,4 @@
-"""Per-step ZeRO in pipelines overlaps the step's compute (``runtime/pipeline_zero.py``).
+"""Per-step ZeRO in pipelines overlaps the step's compute (``runtime/pipeline/zero.py``).
 
 - ``zero_order``: stages gather in first-forward order; a parameter's reduction is issued
   after the last group running a B or W of every stage of the rank that reads it (1F1B,
@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroc.passes.comm_lowering import lower_communication
-from zeroc.passes.schedule import build_schedule
-from zeroc.runtime import pipeline_zero, pipeline_zero_order
+from zeroc.passes.program.comm_lowering import lower_communication
+from zeroc.passes.program.schedule import build_schedule
 from zeroc.runtime.actions import p2p_groups
-from zeroc.runtime.pipeline_zero import HoistedParam, StepZero, ZeroOrder, zero_order
+from zeroc.runtime.pipeline import zero as pipeline_zero
+from zeroc.runtime.pipeline import zero_order as pipeline_zero_order
+from zeroc.runtime.pipeline.zero import HoistedParam, StepZero, ZeroOrder, zero_order
 
 
 def _hoisted(indices, numel: int = 4) -> dict[int, HoistedParam]:

@@ -247,8 +247,8 @@ def test_int4_reductions_move_under_a_seventh_and_train_close_to_eager(two_ranks
     """``reduce_quant="int4"`` (with int8 gathers) at ZeRO-2: the same buckets, every
     reduction an all-to-all of int4 rows (4 bits per element and a float32 scale per 256),
     under a seventh of the float32 reduce-scatter's bytes; losses close to eager's."""
-    from zeroc.runtime.gather_quant import BLOCK
-    from zeroc.runtime.reduce_quant import row_bytes
+    from zeroc.runtime.quant.gather import BLOCK
+    from zeroc.runtime.quant.reduce import row_bytes
 
     exact, quant = two_ranks[0][("gpt", 2)], two_ranks[0]["int4_reduce"]
     assert [c[:2] for c in quant["collectives"]] == [c[:2] for c in exact["collectives"]]

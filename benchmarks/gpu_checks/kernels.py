@@ -2,20 +2,20 @@
 
 ``kernels`` runs the kernel part of ``benchmarks/gpu_kernels.py``: softmax (forward and
 backward), layer norm, RMS norm, GELU+bias and a cross-entropy style log-softmax at
-``--kernel-rows`` x ``--kernel-cols`` in bf16, then fp32, each traced to an aten graph and fused
-by zeroc with ``kernels="triton"``, timed with ``triton.testing.do_bench`` beside eager and
-Inductor on the same graph and checked against eager; no pattern starts that the longest so far
-says would end past the budget. Figures: every pattern's times, achieved GB/s and fraction of
-the HBM bandwidth, and per dtype the geometric mean of zeroc's time over Inductor's and over
+``--kernel-rows`` x ``--kernel-cols`` in bf16, then fp32, each traced to an aten graph and
+fused by zeroc with ``kernels="triton"``, timed with ``triton.testing.do_bench`` beside eager
+and Inductor on the same graph and checked against eager; no pattern starts that the longest so
+far says would end past the budget. Figures: every pattern's times, achieved GB/s and fraction
+of the HBM bandwidth, and per dtype the geometric mean of zeroc's time over Inductor's and over
 eager's. The check fails when a zeroc kernel's output does not match eager's.
 
-``fused_loss`` times the language-model head and its loss at the training section's shape
-(rows = batch x seq, the model's width and vocabulary, bf16 ``h`` and ``W``): eager
+``fused_loss`` times the language-model head and its loss at the training section's shape (rows
+= batch x seq, the model's width and vocabulary, bf16 ``h`` and ``W``): eager
 ``F.cross_entropy(F.linear(h, W).float(), t)`` (what the GPT does under autocast), zeroc's
-chunked ``zeroc::linear_cross_entropy`` (``zeroc.runtime.linear_cross_entropy``; its per-chunk
-Triton kernel, ``zeroc.runtime.cross_entropy_triton``, on CUDA) and, on CUDA, Inductor's
-``torch.compile`` of the eager function. For each: forward + backward time (median of
-interleaved repeats), the peak CUDA memory above the inputs, and the largest absolute
+chunked ``zeroc::linear_cross_entropy`` (``zeroc.runtime.kernels.linear_cross_entropy``; its
+per-chunk Triton kernel, ``zeroc.runtime.kernels.cross_entropy_triton``, on CUDA) and, on CUDA,
+Inductor's ``torch.compile`` of the eager function. For each: forward + backward time (median
+of interleaved repeats), the peak CUDA memory above the inputs, and the largest absolute
 difference of the loss and of ``grad_h`` and ``grad_W`` from eager's and from a float32
 reference. The check fails when the fused loss or a gradient differs from eager's by more than
 ``rtol * (largest magnitude of eager's)`` (rtol of the training section: 2e-2 in bf16).
@@ -89,7 +89,7 @@ def _eager_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tens
 
 
 def _fused_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    from zeroc.runtime.linear_cross_entropy import linear_cross_entropy
+    from zeroc.runtime.kernels.linear_cross_entropy import linear_cross_entropy
 
     return linear_cross_entropy(h, w, None, t)
 
@@ -133,7 +133,7 @@ def _peak_extra(fn: Callable, args: tuple, device: str) -> tuple[tuple, int | No
 
 def run_fused_loss(ctx: Any, budget: Budget) -> dict[str, Any]:
     """The ``fused_loss`` section."""
-    from zeroc.runtime import linear_cross_entropy as lce
+    from zeroc.runtime.kernels import linear_cross_entropy as lce
 
     device, dtype = ctx.device, ctx.dtype
     rows, width, vocab = ctx.batch * ctx.model.block_size, ctx.model.d_model, ctx.model.vocab_size

@@ -19,7 +19,8 @@ MODES = ("default", "max-autotune")
 KERNEL_BACKENDS = ("auto", "triton", "aten", "inductor")
 PARTITIONERS = ("min_cut", "default")
 ACTIVATION_RECOMPUTE = ("auto", True, False)
-# The pipeline schedules of zeroc.passes.schedule (kept here so the config stays import-light).
+# The pipeline schedules of zeroc.passes.program.schedule (kept here so the config stays
+# import-light).
 SCHEDULES = ("gpipe", "1f1b", "zb1p", "dualpipe", "dualpipev")
 # The largest values of the numeric options: a bucket of 1 TiB, a gather issued 4096 buckets
 # ahead (past every bucket of any model), 65536 micro-batches a step.
@@ -75,14 +76,14 @@ class Config:
     gather_quant: ``None`` (default) or ``"int8"``: ZeRO-2/3 parameter all-gathers move int8
         values with a float32 scale per block of 256 (ZeRO++'s qwZ; 3.94x fewer bytes than
         float32); the receiver dequantizes into the gather dtype. The shards stay exact, only
-        the gathered copy is lossy (``zeroc.runtime.gather_quant``). A model with no such
+        the gathered copy is lossy (``zeroc.runtime.quant.gather``). A model with no such
         gather (``zero`` 0 or 1) refuses it.
     reduce_quant: ``None`` (default), ``"int8"`` or ``"int4"``: ZeRO-1/2/3 gradient reductions
         send each rank's piece quantized blockwise (256 elements per float32 scale) by one
         all-to-all, dequantized and summed in float32 by the rank that keeps it (ZeRO++'s
         qgZ), with error feedback: each step's rounding error is added to the next step's
         gradient, at the cost of a float32 residual of the gradients on every rank
-        (``zeroc.runtime.reduce_quant``). ``zero=0`` (all-reduce) refuses it, and so does a
+        (``zeroc.runtime.quant.reduce``). ``zero=0`` (all-reduce) refuses it, and so does a
         pipeline with ``pp_reshard=True``.
     secondary_shard: ``None`` (default) or ``k``: ZeRO++'s hpZ for ZeRO-3 at pp=1. Each
         rank keeps, from the forward's gather, its ``1/k`` piece of every weight (groups of
@@ -171,8 +172,8 @@ class Config:
 
 
 LOSS_REDUCTIONS = (None, "sum", "mean")
-GATHER_QUANTS = (None, "int8")  # zeroc.runtime.gather_quant
-REDUCE_QUANTS = (None, "int8", "int4")  # zeroc.runtime.reduce_quant
+GATHER_QUANTS = (None, "int8")  # zeroc.runtime.quant.gather
+REDUCE_QUANTS = (None, "int8", "int4")  # zeroc.runtime.quant.reduce
 # The options only a pipeline (a model parallelized with pp > 1) reads. One options dict may
 # serve pp=1 and pp>1 runs, so at pp=1 the backend warns once that they are ignored.
 PIPELINE_OPTIONS = ("schedule", "microbatches", "split_points", "loss_reduction", "pp_reshard",

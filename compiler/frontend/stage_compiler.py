@@ -36,7 +36,7 @@ from zeroc.passes.secondary_shard import keep_read_secondary_shards
 from zeroc.runtime.consistency import check_same_graph, collective_text
 from zeroc.runtime.cost.cost import graph_info, tensor_bytes
 from zeroc.runtime.plan.records import PassInfo
-from zeroc.runtime.reduce_quant import ResidualScope
+from zeroc.runtime.quant.reduce import ResidualScope
 from zeroc.runtime.secondary_shard import SECONDARY_SHARD, comparable_text
 from zeroc.runtime.torch_compat import default_partition, min_cut_rematerialization_partition
 from zeroc.runtime.world import PlannedWorld
@@ -119,7 +119,7 @@ class StageCompiler:
     # The world zeroc.world plans (its ZeroLayout's ``planned``); None: a real run.
     planned: PlannedWorld | None = None
     # ``reduce_quant``: the model's error-feedback store and parameter names, for the ZeRO
-    # lowering (``zeroc.runtime.reduce_quant.ResidualScope``); None: none kept per model.
+    # lowering (``zeroc.runtime.quant.reduce.ResidualScope``); None: none kept per model.
     residuals: ResidualScope | None = None
 
     @property

@@ -61,7 +61,7 @@ def mark_batch_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
     ``torch.compile(model)`` runs the root module's hooks before Dynamo traces its forward,
     so Dynamo then traces the batch size as a symbol and every value built from it (masks,
     position indices) is symbolic too: the pipeline specializes that graph at the
-    micro-batch size instead of rewriting constants (``passes/specialize_shapes``). Where
+    micro-batch size instead of rewriting constants (``passes/front/specialize_shapes``). Where
     Dynamo must specialize the size anyway, it does (``maybe_mark_dynamic``) and the
     pipeline rewrites the static graph. Sizes 0 and 1 are never dynamic in Dynamo.
     """

@@ -4,8 +4,8 @@
 ``ZeroLayout`` with ``pp > 1`` (``zeroc.parallelize(model, pp=...)``):
 
 1. The batch inputs (the tensors the user passed) are cut into micro-batches along dim 0 and
-   the graph is re-shaped for one micro-batch (``passes/microbatch_shapes.py``).
-2. The graph is cut into stages (``passes/split_stages.py``): ``pp`` stages, ``2 * pp`` for
+   the graph is re-shaped for one micro-batch (``passes/front/microbatch_shapes.py``).
+2. The graph is cut into stages (``passes/front/split_stages.py``): ``pp`` stages, ``2 * pp`` for
    DualPipeV.
 3. Each stage this rank holds gets its joint graph from AOTAutograd
    (``aot_export_joint_simple``, on fake tensors: ``zeroc.pipeline.stage_trace``) and is
@@ -16,7 +16,7 @@
    actions and lower the schedule with p2p actions; Inductor kernels where they run. The
    session holds that Program; a ``PipelineExecutor`` runs it inside a ``PipelinedStep``,
    numbering its calls with the model's one ``StepCounter`` (``STEPS_ATTR`` on its flat
-   buffers: ``zeroc.runtime.pipeline_abort``).
+   buffers: ``zeroc.runtime.pipeline.abort``).
 
 Train-step mode (DESIGN.md §4.6): calling the compiled model runs the whole schedule. The loss
 comes back from a ``torch.autograd.Function`` that kept the parameter gradients; its backward
@@ -26,8 +26,8 @@ Evaluation. A graph Dynamo traced with gradients off (``torch.no_grad()``,
 ``torch.inference_mode()``; Dynamo guards on the grad mode, so it only ever runs so) is an
 evaluation graph: its stages get forward-only graphs alone (no joint graph, no backward), its
 schedule runs forwards only, and it returns the model's per-sample outputs (logits) whole on
-every rank of the pipeline beside the loss (``zeroc.passes.loss_output``,
-``zeroc.runtime.pipeline_outputs``), with or without a loss.
+every rank of the pipeline beside the loss (``zeroc.passes.front.loss_output``,
+``zeroc.runtime.pipeline.outputs``), with or without a loss.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from zeroc.frontend.log_setup import CompileProgress, decisions
 from zeroc.frontend.session import CompiledGraph, CompileSession
 from zeroc.frontend.stage_compiler import StageCompiler
 from zeroc.passes.base import graph_module
-from zeroc.passes.specialize_shapes import size_inputs
-from zeroc.passes.split_stages import StageSplit
+from zeroc.passes.front.specialize_shapes import size_inputs
+from zeroc.passes.front.split_stages import StageSplit
 from zeroc.pipeline import stage_reuse
 from zeroc.pipeline.pipeline_front import FrontBuilt, pipeline_front, remember_sources
 from zeroc.pipeline.pipelined_step import PipelinedStep
@@ -69,8 +69,8 @@ from zeroc.pipeline.stage_trace import (
     export_stage,
     sink_output_tokens,
 )
-from zeroc.runtime.pipeline_abort import StepCounter
-from zeroc.runtime.pipeline_executor import (
+from zeroc.runtime.pipeline.abort import StepCounter
+from zeroc.runtime.pipeline.executor import (
     PP_SOURCE_ATTR,
     PipelineExecutor,
     StageProgram,
@@ -80,7 +80,7 @@ from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.stage_holding import keep_only
 
 LAYOUT_ATTR = "_zeroc_layout"
-STEPS_ATTR = "_zeroc_pp_steps"  # the model's StepCounter (runtime/pipeline_abort)
+STEPS_ATTR = "_zeroc_pp_steps"  # the model's StepCounter (runtime/pipeline/abort)
 
 log = logging.getLogger(__name__)
 

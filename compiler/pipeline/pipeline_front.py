@@ -4,14 +4,14 @@ From one Dynamo graph at the call's sizes (and, when Dynamo gave one, the same g
 symbolic batch dimension) ``pipeline_front`` makes what every position of the pipeline
 compiles from: the loss output, the batch inputs and the micro-batch count, the schedule,
 the Dynamo graph's passes, the loss normalization (a loss that is no sum over samples is
-refused first, from the symbolic graph: ``passes/loss_output.check_sum_over_samples``), the
+refused first, from the symbolic graph: ``passes/front/loss_output.check_sum_over_samples``), the
 parameter gathers taken out of the graph (ZeRO once per step), and the graph cut into stages
 at the micro-batch size.
 ``zeroc.pipeline.pipeline_capture`` then compiles the stages one position holds.
 
 Every transform of a graph here is a pass run by ``run_passes`` from the literal lists of
 ``zeroc.passes.pipeline`` (``SPECIALIZE_PASSES`` ... ``STAGE_PASSES``) with a
-``zeroc.passes.front_context.FrontContext``, which carries what the passes read and what they
+``zeroc.passes.front.context.FrontContext``, which carries what the passes read and what they
 publish (the loss output, the normalization, the hoisted gathers, the ``StageSplit``). Their
 records are the front's rows of the plan's pass table: ``<prefix>.front`` for the graph at
 the call's sizes, ``<prefix>.microbatch`` for the graph whose stages are compiled, and
@@ -40,9 +40,11 @@ from zeroc.frontend.config import Config
 from zeroc.frontend.grad_coverage import differentiated_inputs
 from zeroc.frontend.session import CompiledGraph
 from zeroc.passes.base import pass_infos, run_passes
-from zeroc.passes.front_context import FrontContext
-from zeroc.passes.hoist_unshard import HoistedParam
-from zeroc.passes.loss_output import LossOutput, check_sum_over_samples
+from zeroc.passes.front.context import FrontContext
+from zeroc.passes.front.hoist_unshard import HoistedParam
+from zeroc.passes.front.loss_output import LossOutput, check_sum_over_samples
+from zeroc.passes.front.specialize_shapes import OUTPUTS_ONLY, microbatch_inputs
+from zeroc.passes.front.split_stages import StageSplit
 from zeroc.passes.pipeline import (
     HOIST_PASSES,
     LOSS_PASSES,
@@ -51,9 +53,7 @@ from zeroc.passes.pipeline import (
     SPECIALIZE_PASSES,
     STAGE_PASSES,
 )
-from zeroc.passes.schedule import build_schedule
-from zeroc.passes.specialize_shapes import OUTPUTS_ONLY, microbatch_inputs
-from zeroc.passes.split_stages import StageSplit
+from zeroc.passes.program.schedule import build_schedule
 from zeroc.pipeline.front_errors import check_one_graph, cut_failed
 from zeroc.pipeline.stage_trace import full_size_fakes
 from zeroc.runtime.actions import Schedule
@@ -234,7 +234,7 @@ def pipeline_front(gm: torch.fx.GraphModule | None, example_inputs: list[Any], c
     already. ``dynamic_gm``: the same graph with a symbolic batch dimension, if Dynamo gave
     one: the stages are then traced from it at the micro-batch size; otherwise ``gm``'s
     batch-size constants are rewritten. ``evaluation``: the graph was traced with gradients
-    off; it keeps its per-sample outputs (``zeroc.passes.loss_output``)."""
+    off; it keeps its per-sample outputs (``zeroc.passes.front.loss_output``)."""
     planned = layout.planned
     shared = planned.shared if planned is not None else None
     key = None
@@ -313,7 +313,7 @@ def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: C
     # micro-batch graph: the loss normalization reads the loss as the passes leave it
     # (Hugging Face's loss call is only recognised after them), and its denominator is
     # computed from the full-batch inputs. A planned world never computes the denominator
-    # (``zeroc.runtime.pipeline_sync``: there are no values) and reads only the
+    # (``zeroc.runtime.pipeline.sync``: there are no values) and reads only the
     # normalization's kind, which the micro-batch graph, the same nodes at other sizes, gives:
     # its full-batch graph is a copy that was never run (``specialize_outputs``).
     # A full-batch graph that is not cut keeps its Dynamo passes' rows out of the table

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeroc.passes.split_stages import FLOPS_PER_BYTE
+from zeroc.passes.front.split_stages import FLOPS_PER_BYTE
 from zeroc.runtime.cost.cost import ADAM_STATES
 from zeroc.runtime.cost.simulate import ActionCosts, simulate
 from zeroc.runtime.mesh import dp_ranks_of

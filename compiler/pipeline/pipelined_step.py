@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from zeroc.passes.loss_output import LossOutput
-from zeroc.runtime.pipeline_executor import PipelineExecutor
+from zeroc.passes.front.loss_output import LossOutput
+from zeroc.runtime.pipeline.executor import PipelineExecutor
 from zeroc.runtime.torch_compat import foreach_mul_
 from zeroc.sharding.sharded_params import STATE_ATTR, ZeroState
 
@@ -99,7 +99,7 @@ class PipelinedStep:
             loss, _ = self.executor.run(inputs, train=False)
             return self.loss_output.outputs(loss, self.executor.outputs)
         # A training step's other outputs (logits, caches) are meta tensors: see
-        # passes/loss_output.
+        # passes/front/loss_output.
         return self.loss_output.outputs(loss)
 
     def _mode(self, inputs: list[Any]) -> str:

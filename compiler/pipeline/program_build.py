@@ -36,10 +36,10 @@ from zeroc.frontend.config import Config
 from zeroc.frontend.session import CompiledGraph
 from zeroc.frontend.stage_compiler import StageCompiler
 from zeroc.passes.base import PassContext, graph_text, pass_infos, run_passes
-from zeroc.passes.comm_lowering import comm_lowering, forward_only
-from zeroc.passes.overlap_fb import OverlappedGraph, overlap_fb
-from zeroc.passes.split_stages import StageSplit
-from zeroc.passes.split_weight_grad import split_weight_grad
+from zeroc.passes.front.split_stages import StageSplit
+from zeroc.passes.program.comm_lowering import comm_lowering, forward_only
+from zeroc.passes.program.overlap_fb import OverlappedGraph, overlap_fb
+from zeroc.passes.program.split_weight_grad import split_weight_grad
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.cost.cost import graph_info
 from zeroc.runtime.program import (

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from zeroc.frontend.session import CompiledGraph
-from zeroc.passes.split_stages import StageSplit
+from zeroc.passes.front.split_stages import StageSplit
 from zeroc.runtime.program import StageProgram
 from zeroc.runtime.world import SharedPlanning
 

@@ -2,7 +2,7 @@
 
 AOTAutograd traces each stage graph on example arguments: its joint graph when the pipeline
 compiles and, on the first ``torch.no_grad()`` call, its forward-only graph. With ZeRO's
-gathers hoisted out of the stage graphs (``passes/hoist_unshard.py``) a stage reads its
+gathers hoisted out of the stage graphs (``passes/front/hoist_unshard.py``) a stage reads its
 parameters whole, so the arguments have the full parameters' shapes. Made as tensors on the
 rank's device they would be real memory (a CUDA allocation is memory, whether its pages are
 touched or not): every full parameter of the rank's stages next to its shards while the
@@ -49,7 +49,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from zeroc.runtime.pipeline_zero import HoistedParam
+from zeroc.runtime.pipeline.zero import HoistedParam
 from zeroc.runtime.torch_compat import (
     FakeTensorMode,
     aot_export_joint_simple,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zeroc.runtime.mesh import group_device
-from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
+from zeroc.runtime.pipeline.executor import PP_SOURCE_ATTR
 from zeroc.runtime.torch_compat import clip_total_norm, set_clip_total_norm
 from zeroc.sharding.sharded_params import ShardedParam, ZeroState
 

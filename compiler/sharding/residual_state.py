@@ -2,7 +2,7 @@
 ``ReductionResiduals``, the ``Stateful`` that saves and restores them with DCP.
 
 ``reduce_quant="int8" | "int4"`` carries each step's rounding error of a gradient bucket into
-the next step (``zeroc.runtime.reduce_quant``). Those residuals are state of the training
+the next step (``zeroc.runtime.quant.reduce``). Those residuals are state of the training
 run, like the optimizer's moments: they live in a ``ResidualStore`` kept on the model's
 ``ZeroState`` (freed with the model; a new model starts from zero), and a resume that drops
 them is not the run it resumes. They are not in ``model.state_dict()`` (which stays what
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroc.runtime.reduce_quant import ResidualScope, ResidualStore, store_of
+from zeroc.runtime.quant.reduce import ResidualScope, ResidualStore, store_of
 from zeroc.sharding.sharded_params import STATE_ATTR, ZeroState
 
 __all__ = ["ReductionResiduals", "residual_scope"]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroc.runtime.pipeline_executor import PP_SOURCE_ATTR
+from zeroc.runtime.pipeline.executor import PP_SOURCE_ATTR
 from zeroc.runtime.zero_ops import WHOLE_STAGES, shard_of
 from zeroc.sharding.parallelize import layout_of
 from zeroc.sharding.sharded_params import ShardedParam, sharded_of

@@ -9,7 +9,7 @@ and plans in full only the best few. The screen models, per candidate:
 - **stages**: the forward ops cut into the schedule's stages (``pp``, or ``2 pp`` for the
   V-shaped schedules), in order, where the compiler's stage split cuts: in front of the
   model's repeated blocks (``ModelProfile.block_starts``), balanced on the same unit cost
-  with the same ``partition_costs`` (``zeroc.passes.stage_balance``); a model without
+  with the same ``partition_costs`` (``zeroc.passes.front.stage_balance``); a model without
   blocks between any ops, on their times. Each stage's parameters are those its ops read
   first, its saved bytes those its ops' outputs autograd keeps.
 - **compute**: every op as a roofline on the profile (``estimate_compute_s``) at the
@@ -64,11 +64,11 @@ import dataclasses
 import itertools
 from typing import Any
 
-from zeroc.passes.schedule import build_schedule
-from zeroc.passes.stage_balance import FLOPS_PER_BYTE, partition_costs
+from zeroc.passes.front.stage_balance import FLOPS_PER_BYTE, partition_costs
+from zeroc.passes.program.schedule import build_schedule
 from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s
 from zeroc.runtime.cost.simulate import ActionCosts, peak_held, simulate
-from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
+from zeroc.runtime.quant.gather import BLOCK as QUANT_BLOCK
 from zeroc.tuning.tune_space import Candidate
 from zeroc.world.model_profile import ModelProfile, OpRecord
 

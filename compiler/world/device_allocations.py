@@ -84,7 +84,7 @@ class Allocation:
     label: str  # the ``allocation_label`` in effect ("gather", "gradient", "graph"), or ""
     in_step: bool  # made while an executor ran a step (inside ``tracking_scope``)
     wrapped: bool  # a tensor subclass's inner tensor (a DTensor's local shard)
-    site: str  # the innermost frame outside torch: "runtime/pipeline_zero.py:173 in _gather"
+    site: str  # the innermost frame outside torch: "runtime/pipeline/zero.py:173 in _gather"
 
     @property
     def gathered(self) -> bool:

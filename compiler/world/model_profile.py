@@ -27,7 +27,7 @@ tensor an op reads) and off the step as it runs:
   keeps them; a pipeline drops them). A long sequence's attention scores (``heads x seq x
   seq``) may be the step's largest output instead.
 - **where a pipeline may cut** (``block_starts``): the first op of each repeated block (the
-  children ``0, 1, ...`` of a module, all of one type), chosen as ``zeroc.passes.stage_units``
+  children ``0, 1, ...`` of a module, all of one type), chosen as ``zeroc.passes.front.stage_units``
   chooses them: the container with the most compute, and others outside it with a tenth.
 - **the backward's working set** (``backward_working``; ``head_working`` while the loss head's
   backward runs): the most bytes the backward itself has alive at once (activation gradients,
@@ -312,10 +312,10 @@ def _watching_blocks(containers: list[tuple[str, list[torch.nn.Module]]],
 def _block_starts(forward: list[OpRecord], blocks: list[tuple[tuple[int, int], ...]],
                   containers: list[tuple[str, list[torch.nn.Module]]]) -> tuple[int, ...]:
     """The first op of each block of the containers a pipeline cuts (as
-    ``zeroc.passes.stage_units.find_blocks`` picks them: the most compute, FLOPs plus
+    ``zeroc.passes.front.stage_units.find_blocks`` picks them: the most compute, FLOPs plus
     ``FLOPS_PER_BYTE`` per byte, first; others outside it with ``OTHER_CONTAINER_SHARE`` of it)."""
-    from zeroc.passes.stage_balance import FLOPS_PER_BYTE
-    from zeroc.passes.stage_units import OTHER_CONTAINER_SHARE
+    from zeroc.passes.front.stage_balance import FLOPS_PER_BYTE
+    from zeroc.passes.front.stage_units import OTHER_CONTAINER_SHARE
 
     totals: dict[int, float] = {}
     for op, pairs in zip(forward, blocks, strict=True):

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeroc.passes.schedule import build_schedule
+from zeroc.passes.program.schedule import build_schedule
 from zeroc.runtime.cost.hardware import estimate_collective_s, estimate_compute_s
 from zeroc.runtime.cost.simulate import ActionCosts, simulate
 from zeroc.runtime.plan.records import StepEstimate

@@ -1,7 +1,7 @@
 """Pipeline schedules as per-rank compute action lists.
 
 ``build_schedule(name, num_ranks, num_microbatches)`` returns a ``Schedule`` holding only
-compute actions (F, I, W, B, FB); ``zeroc.passes.comm_lowering`` adds the p2p actions.
+compute actions (F, I, W, B, FB); ``zeroc.passes.program.comm_lowering`` adds the p2p actions.
 
 Schedules and placements:
 

@@ -9,7 +9,7 @@ pair's transfers in order). Three parts keep that from happening:
 - Step numbers. Every rank counts its model's pipelined calls (``StepCounter``, one per
   model, shared by its compiled graphs). The count and whether the call trains ride in the
   batch signature the step all-gathers before it moves anything
-  (``runtime/pipeline_inputs.check_same_shapes``, no extra collective): ranks at different
+  (``runtime/pipeline/inputs.check_same_shapes``, no extra collective): ranks at different
   steps, or one training while another runs ``no_grad``, raise ``StepMismatchError`` on
   every rank, naming both, before anything moves or is applied.
 - Reporting. A step that raises after that check (``AbortWatch.report``) writes the first

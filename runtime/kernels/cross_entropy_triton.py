@@ -1,6 +1,6 @@
 """One chunk of cross-entropy over logits in one Triton kernel: loss and d loss / d logits.
 
-``zeroc::linear_cross_entropy`` (``zeroc.runtime.linear_cross_entropy``) computes a chunk of
+``zeroc::linear_cross_entropy`` (``zeroc.runtime.kernels.linear_cross_entropy``) computes a chunk of
 logits with a matrix product and hands it here. One program per row reads the row's logits
 once to build its log-sum-exp online (a running maximum and a running sum of exponentials
 over the vocabulary in blocks of ``BLOCK``, as Liger Kernel's fused linear cross-entropy
@@ -17,7 +17,7 @@ Numerics follow eager ``F.cross_entropy`` (``log_softmax`` then ``nll_loss``):
 - a target outside ``[0, vocab)`` on a counted row gives a NaN loss instead of reading out of
   bounds (eager raises on CPU and asserts on CUDA).
 
-This module imports ``triton`` at the top; ``zeroc.runtime.linear_cross_entropy`` imports it
+This module imports ``triton`` at the top; ``zeroc.runtime.kernels.linear_cross_entropy`` imports it
 only when it runs the Triton path, so the package imports without triton. On CPU the kernel
 runs only in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 """

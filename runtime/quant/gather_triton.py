@@ -1,5 +1,5 @@
 """Triton kernels of ``zeroc::quantize_int8`` / ``zeroc::dequantize_int8``
-(``zeroc.runtime.gather_quant``): one program per block of ``BLOCK`` elements.
+(``zeroc.runtime.quant.gather``): one program per block of ``BLOCK`` elements.
 
 Quantize: a program loads its block of the bucket's joined shards (float32 arithmetic),
 takes ``max |x|``, writes the int8 values (``x / scale`` rounded half away from zero, clamped
@@ -11,7 +11,7 @@ shard ``i`` (bucket offsets ``lo <= k < hi``) of rank ``r`` goes to
 contiguous. The packed layout (``nb * block`` value bytes, then ``nb`` float32 scales, per
 rank) keeps every scale 4-byte aligned, since ``block`` is a multiple of 4.
 
-This module imports ``triton`` at the top; ``zeroc.runtime.gather_quant`` imports it on
+This module imports ``triton`` at the top; ``zeroc.runtime.quant.gather`` imports it on
 first use only. Off CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zeroc.runtime.gather_quant import packed_numel
+from zeroc.runtime.quant.gather import packed_numel
 
 __all__ = ["dequantize", "quantize"]
 

@@ -6,8 +6,8 @@ A ``StageProgram`` holds a stage's compiled functional graphs (DESIGN.md §4.1):
 into ``input_grad`` (I) and ``weight_grad`` (W). ``PipelineExecutor.run`` walks this rank's
 lowered action list once per step: ``F``/``B``/``I``/``W``/``FB`` call the graphs and keep the
 saved tensors per (stage, micro-batch) itself (no autograd tape), p2p groups move messages
-(``runtime/pipeline_messages.py``); the step ends with one all-gather of loss shares, timings
-and batch digests (``runtime/pipeline_sync.py``). What is the same every step (each group's
+(``runtime/pipeline/messages.py``); the step ends with one all-gather of loss shares, timings
+and batch digests (``runtime/pipeline/sync.py``). What is the same every step (each group's
 transfers and waits, profiler names, timing labels) is worked out once, in ``__init__``.
 
 Messages. ``messages[s]`` names the values stage ``s`` hands to stage ``s + 1`` (its own
@@ -15,7 +15,7 @@ outputs and values passing through it to later stages); the backward message of 
 carries the gradients of ``messages[s - 1]``'s values that require one. A pass-through value's
 gradient is what came from downstream plus what the stage's own use of it contributed.
 
-Gradients. The last stage returns micro-batch loss numerators (``passes/loss_normalization.
+Gradients. The last stage returns micro-batch loss numerators (``passes/front/loss_normalization.
 py``); each gets the tangent ``1 / denominator`` of this replica's batch, so every gradient is
 this replica's own before any data-parallel average (in the graphs with ``pp_reshard=True``,
 else ``StepZero.reduce``): the gradient of the replicas' mean loss, as in DDP. Parameter
@@ -24,9 +24,9 @@ the same parameter (``p2p.exchange_and_sum``). A micro-batch's first gradient of
 kept as the graph returned it when it is a fresh tensor, else copied. The step's all-gather
 gives every rank its replica's loss (a device tensor) and, read when the next call ends, every
 rank's action timings (the measured timeline) and batch digests: on a GPU the host waits there
-only while the device still runs the previous call (``runtime/pipeline_sync.py``).
+only while the device still runs the previous call (``runtime/pipeline/sync.py``).
 
-Failures (``runtime/pipeline_abort.py``). A call takes the model's next step number, which
+Failures (``runtime/pipeline/abort.py``). A call takes the model's next step number, which
 the step's batch check compares across the ranks; a step that raises reports itself in the
 job's store, and a blocking wait ends, raising, when a peer's step failed.
 
@@ -34,7 +34,7 @@ Profiling. While a ``torch.profiler`` records (checked once per step), the step 
 ``record_function("zeroc/pipeline_step")``, each action group inside ``zeroc/<group label>``
 (``zeroc/F0@s1``, ``zeroc/SEND_F0@s0->r1``; a compute's wait for its messages is inside its
 action), the end-of-step exchanges inside ``zeroc/step_sync`` and ``zeroc/step_grad_exchange``
-and the per-step ZeRO buckets as ``runtime/pipeline_zero.py`` names them.
+and the per-step ZeRO buckets as ``runtime/pipeline/zero.py`` names them.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ import torch
 
 from zeroc.runtime.actions import Action, ActionKind, p2p_groups
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
-from zeroc.runtime.p2p import exchange_and_sum, owns_storage, storage_counts
-from zeroc.runtime.pipeline_abort import AbortWatch, StepCounter
-from zeroc.runtime.pipeline_inputs import check_same_shapes
-from zeroc.runtime.pipeline_messages import GroupPlan, StepMessages, plan_groups
-from zeroc.runtime.pipeline_outputs import EvaluationOutputs
-from zeroc.runtime.pipeline_sync import StepSync, StepTimings, group_label, read_rows
-from zeroc.runtime.pipeline_zero import StepZero, zero_order
+from zeroc.runtime.pipeline.abort import AbortWatch, StepCounter
+from zeroc.runtime.pipeline.inputs import check_same_shapes
+from zeroc.runtime.pipeline.messages import GroupPlan, StepMessages, plan_groups
+from zeroc.runtime.pipeline.outputs import EvaluationOutputs
+from zeroc.runtime.pipeline.p2p import exchange_and_sum, owns_storage, storage_counts
+from zeroc.runtime.pipeline.sync import StepSync, StepTimings, group_label, read_rows
+from zeroc.runtime.pipeline.zero import StepZero, zero_order
 from zeroc.runtime.program import PipelineLayout, Program, StageProgram
 from zeroc.runtime.step_clock import StepClock
 from zeroc.runtime.step_memory import tracking_scope
@@ -123,7 +123,7 @@ class PipelineExecutor:
 
     @property
     def timings(self) -> StepTimings | None:
-        """Every rank's action timings of the latest timed step (``runtime/pipeline_sync``):
+        """Every rank's action timings of the latest timed step (``runtime/pipeline/sync``):
         reads the rows not read yet, waiting for the device if need be (the plan asks)."""
         read_rows(wait=True, when="the last call")
         return self.sync.timings
@@ -134,7 +134,7 @@ class PipelineExecutor:
         ``reduce=False``: this rank's own gradients, hoisted ones in full; ``reduce_gradients``
         of their sum (no-sync accumulation) gives what ``reduce=True`` returns. The step is
         numbered, checked against the other ranks' and reported when it fails
-        (``runtime/pipeline_abort``)."""
+        (``runtime/pipeline/abort``)."""
         step, layout = self.counter.next(), self.layout
         with record(_STEP), self.abort.active(step):
             check_same_shapes(inputs, self.sync.batch_inputs, layout.input_names,

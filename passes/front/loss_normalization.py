@@ -22,7 +22,7 @@ Anything else is refused with an error that says what was found and which option
 full-batch inputs; ``None`` means 1.
 
 ``normalize_loss(gm, ctx)`` is the pass (``run_passes``, with a
-``zeroc.passes.front_context.FrontContext``): ``loss_to_numerator`` in place with
+``zeroc.passes.front.context.FrontContext``): ``loss_to_numerator`` in place with
 ``ctx.params`` and ``ctx.config.loss_reduction``, the ``LossNormalization`` published as
 ``ctx.normalization``.
 """
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.passes.dead_code import has_effect
-from zeroc.passes.front_context import front_context
+from zeroc.passes.front.context import front_context
 from zeroc.runtime.torch_compat import tree_flatten
 
 __all__ = ["LossNormalization", "LossReductionError", "loss_to_numerator", "normalize_loss"]
@@ -236,7 +236,7 @@ def loss_to_numerator(gm: torch.fx.GraphModule, param_indices: set[int],
     if loss_reduction == "mean":
         return LossNormalization("micro_mean", None)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    # The loss first, then an evaluation graph's per-sample outputs (``passes/loss_output``).
+    # The loss first, then an evaluation graph's per-sample outputs (``passes/front/loss_output``).
     loss = tree_flatten(output.args[0])[0][0]
     found = _rewrite(gm, loss, params)
     if isinstance(found, str):

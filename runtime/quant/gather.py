@@ -25,7 +25,7 @@ estimator, as ZeRO++ does).
 Kernels: on CUDA the quantization is one Triton kernel over the concatenated shards (the
 bucket's pack) and the dequantization one Triton kernel that writes every parameter's
 buffer (its unpack); elsewhere aten ops compute the same values
-(``zeroc.runtime.gather_quant_triton``). ``ZEROC_QUANT_KERNEL`` (``auto`` | ``triton`` |
+(``zeroc.runtime.quant.gather_triton``). ``ZEROC_QUANT_KERNEL`` (``auto`` | ``triton`` |
 ``torch``) overrides the choice; Triton off CUDA needs ``TRITON_INTERPRET=1`` (tests).
 """
 
@@ -70,7 +70,7 @@ def quantized_bytes(numel: int, ranks: int, block: int = BLOCK) -> int:
 @functools.cache
 def _triton_kernels() -> ModuleType | None:
     try:
-        return importlib.import_module("zeroc.runtime.gather_quant_triton")
+        return importlib.import_module("zeroc.runtime.quant.gather_triton")
     except ImportError as exc:
         log.debug("zeroc: no Triton kernels for gather_quant (%s)", exc)
         return None

@@ -2,14 +2,14 @@
 
 Units. Every node that depends on a batch input belongs to a unit: the repeated block it was
 traced in, found at any depth (``layers.3``, ``transformer.h.3``, ``m.model.layers.3``: see
-``zeroc.passes.stage_units``), or outside the blocks the module it was traced in
+``zeroc.passes.front.stage_units``), or outside the blocks the module it was traced in
 (``tok_emb``, ``m.model.embed_tokens``, ``lm_head``). Stages are cut only in front of blocks,
 so every stage holds at least one block: the units before the first block join the first
 stage, those after the last block the last stage.
 Nodes traced outside any module that read a module's output (the loss, an embedding sum)
 run in the latest stage of their inputs.
 
-Balance (``zeroc.passes.stage_balance``). A unit costs its estimated time: FLOPs plus bytes
+Balance (``zeroc.passes.front.stage_balance``). A unit costs its estimated time: FLOPs plus bytes
 moved times ``FLOPS_PER_BYTE`` (so a memory-bound embedding weighs what it really costs, not
 zero). The cut points minimise the most expensive stage (a linear-partition dynamic
 program). The user can pin them: ``split_points=["model.layers.4", ...]`` names, by its full
@@ -31,7 +31,7 @@ another stage, or a region cut by a stage boundary, keeps the grad mode it was t
 (without them a parameter read only under ``no_grad`` would get a gradient eager never gives).
 
 The pass. ``split_stages(gm, ctx)`` (``run_passes``, with a
-``zeroc.passes.front_context.FrontContext``) cuts ``ctx.mgraph``, whose graph ``gm`` is, into
+``zeroc.passes.front.context.FrontContext``) cuts ``ctx.mgraph``, whose graph ``gm`` is, into
 ``ctx.num_stages`` stages (``cut_stages``) and publishes the ``StageSplit`` as ``ctx.split``.
 The graph it returns is ``gm`` as the stages call one another, what
 ``torch.fx.passes.split_module`` makes: the same inputs, one ``call_module`` of submodule
@@ -51,9 +51,9 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zeroc.passes.base import PassContext, PassResult, graph_module
-from zeroc.passes.front_context import PassOrderError, front_context, published
-from zeroc.passes.microbatch_shapes import MicrobatchGraph
-from zeroc.passes.stage_balance import FLOPS_PER_BYTE, assign_stages
+from zeroc.passes.front.context import PassOrderError, front_context, published
+from zeroc.passes.front.microbatch_shapes import MicrobatchGraph
+from zeroc.passes.front.stage_balance import FLOPS_PER_BYTE, assign_stages
 from zeroc.runtime.torch_compat import SET_GRAD_ENABLED, tree_flatten
 
 __all__ = ["FLOPS_PER_BYTE", "StageSpec", "StageSplit", "cut_stages", "split_stages"]

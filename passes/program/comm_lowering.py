@@ -25,7 +25,7 @@ the backward chunk waits for its received gradients only after the forward chunk
 Both halves are placed in the same lock-step round, so the consumers' receives land where they
 did; the argument above holds for any compute schedule, so the result is deadlock-free too.
 With ``pp_reshard=True`` the gathers and reductions are inside the stage graphs and ``FB``
-stays one action, run as the interleaved F&B graph (``zeroc.passes.overlap_fb``).
+stays one action, run as the interleaved F&B graph (``zeroc.passes.program.overlap_fb``).
 """
 
 from __future__ import annotations

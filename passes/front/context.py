@@ -7,15 +7,15 @@ the ``PassContext`` of one of them. The front fills in what the passes read (the
 inputs, which of them are parameters and batch inputs, the sizes), and each pass publishes
 what it found beside the graph it returns:
 
-- ``specialize`` / ``specialize_outputs`` (``zeroc.passes.specialize_shapes``) read
+- ``specialize`` / ``specialize_outputs`` (``zeroc.passes.front.specialize_shapes``) read
   ``inputs`` and ``costs``;
-- ``keep_loss_output`` (``zeroc.passes.loss_output``) reads ``evaluation``, ``kept_outputs``,
+- ``keep_loss_output`` (``zeroc.passes.front.loss_output``) reads ``evaluation``, ``kept_outputs``,
   ``batch_inputs`` and ``traced_batch``, publishes ``loss_output``;
-- ``normalize_loss`` (``zeroc.passes.loss_normalization``) publishes ``normalization``;
-- ``hoist_unshards`` (``zeroc.passes.hoist_unshard``) reads ``names``, publishes ``hoisted``;
-- ``microbatch_graph`` (``zeroc.passes.microbatch_shapes``) reads ``fake_inputs``,
+- ``normalize_loss`` (``zeroc.passes.front.loss_normalization``) publishes ``normalization``;
+- ``hoist_unshards`` (``zeroc.passes.front.hoist_unshard``) reads ``names``, publishes ``hoisted``;
+- ``microbatch_graph`` (``zeroc.passes.front.microbatch_shapes``) reads ``fake_inputs``,
   ``batch_inputs``, ``traced_batch`` and ``microbatch``, publishes ``mgraph``;
-- ``split_stages`` (``zeroc.passes.split_stages``) reads ``num_stages``, publishes ``split``.
+- ``split_stages`` (``zeroc.passes.front.split_stages``) reads ``num_stages``, publishes ``split``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 from zeroc.passes.base import PassContext
 
 if TYPE_CHECKING:
-    from zeroc.passes.loss_normalization import LossNormalization
-    from zeroc.passes.loss_output import LossOutput
-    from zeroc.passes.microbatch_shapes import MicrobatchGraph
-    from zeroc.passes.split_stages import StageSplit
-    from zeroc.runtime.pipeline_zero import HoistedParam
+    from zeroc.passes.front.loss_normalization import LossNormalization
+    from zeroc.passes.front.loss_output import LossOutput
+    from zeroc.passes.front.microbatch_shapes import MicrobatchGraph
+    from zeroc.passes.front.split_stages import StageSplit
+    from zeroc.runtime.pipeline.zero import HoistedParam
 
 __all__ = ["FrontContext", "PassOrderError", "front_context", "published"]
 

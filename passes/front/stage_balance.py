@@ -1,11 +1,11 @@
 """Which pipeline stage each unit of a micro-batch graph goes to: the stage balance.
 
-A unit (``zeroc.passes.stage_units``: a repeated block, or a module outside the blocks)
+A unit (``zeroc.passes.front.stage_units``: a repeated block, or a module outside the blocks)
 costs its estimated time: FLOPs plus bytes moved times ``FLOPS_PER_BYTE`` (so a
 memory-bound embedding weighs what it really costs, not zero). Stages are cut only in front
 of blocks; the cut points minimise the most expensive stage (``partition_costs``, a
 linear-partition dynamic program), unless the user pins them with ``split_points``.
-``assign_stages`` gives every batch-dependent node its stage; ``zeroc.passes.split_stages``
+``assign_stages`` gives every batch-dependent node its stage; ``zeroc.passes.front.split_stages``
 cuts the graph there. The tuner's screen (``zeroc.tuning.tune_screen``) cuts its per-op
 costs with the same ``partition_costs``.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zeroc.passes.microbatch_shapes import MicrobatchGraph
-from zeroc.passes.stage_units import find_blocks
+from zeroc.passes.front.microbatch_shapes import MicrobatchGraph
+from zeroc.passes.front.stage_units import find_blocks
 
 __all__ = ["FLOPS_PER_BYTE", "assign_stages", "partition_costs"]
 

@@ -18,7 +18,7 @@ The merged graph takes ``(forward args..., backward args...)`` and returns
 ZeRO gathers and reductions inside the stage graphs) every overlapped action of this rank's
 schedule gets its F&B graph once (``<stage>.fb<backward stage>`` in the program's graphs, and
 in the forward stage's ``overlapped``). Without collectives in the graphs a merged graph
-overlaps nothing on one stream: ``zeroc.passes.comm_lowering`` then lowers ``FB`` as ``F``,
+overlaps nothing on one stream: ``zeroc.passes.program.comm_lowering`` then lowers ``FB`` as ``F``,
 its sends, ``B``, so the forward chunk's transfers are in flight while the backward chunk
 computes, and this pass makes no graph.
 """

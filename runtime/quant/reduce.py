@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from zeroc.runtime.gather_quant import round_half_away
+from zeroc.runtime.quant.gather import round_half_away
 
 __all__ = ["DEQUANTIZE_SUM_MEAN", "OWNER_ATTR", "QUANTIZE_GRAD_ROWS", "REDUCE_BITS",
            "ResidualScope", "ResidualStore", "bucket_id", "owned_key", "reset_residuals",

@@ -9,12 +9,12 @@ tensors, the pipeline group itself on gloo, a gloo group beside NCCL), so the co
 read on the host without waiting for the device; a difference raises the same
 ``ValueError`` on every rank, naming the ranks and the input.
 
-Values are compared later, by the step's closing all-gather (``runtime/pipeline_sync``): a
+Values are compared later, by the step's closing all-gather (``runtime/pipeline/sync``): a
 digest of each input's bit patterns, so that equal batches holding NaN compare equal.
 
 The same row carries the step's number (the model's ``StepCounter``) and whether it trains:
 ranks at different steps, or one training while another runs ``no_grad``, raise
-``StepMismatchError`` on every rank, naming both (``runtime/pipeline_abort``). The all-gather
+``StepMismatchError`` on every rank, naming both (``runtime/pipeline/abort``). The all-gather
 is waited through ``pipeline_abort.wait``: a peer whose step failed ends it within seconds.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import pipeline_abort
 from zeroc.runtime.mesh import resolve_group
-from zeroc.runtime.pipeline_abort import StepMismatchError
+from zeroc.runtime.pipeline import abort as pipeline_abort
+from zeroc.runtime.pipeline.abort import StepMismatchError
 from zeroc.runtime.torch_compat import FakeTensor
 
 __all__ = ["check_same_shapes", "signature"]

@@ -34,11 +34,11 @@ Evaluation. A graph Dynamo traced with gradients off (``torch.no_grad()``,
 holds one row per sample: a tensor whose first dimension is the batch and that is computed
 from a batch input (a language model's logits, a classifier's scores). The pipeline returns
 them whole, concatenated over the micro-batches and sent to every rank of the pipeline
-(``zeroc.runtime.pipeline_outputs``); other outputs stay on the ``meta`` device. Such a graph
+(``zeroc.runtime.pipeline.outputs``); other outputs stay on the ``meta`` device. Such a graph
 needs no loss at all: a model called without labels returns its logits.
 
 ``keep_loss_output(gm, ctx)`` is the pass (``run_passes``, with a
-``zeroc.passes.front_context.FrontContext``): ``rewrite_to_loss`` in place, the
+``zeroc.passes.front.context.FrontContext``): ``rewrite_to_loss`` in place, the
 ``LossOutput`` published as ``ctx.loss_output``.
 """
 
@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
 from zeroc.passes.base import PassContext, PassResult
-from zeroc.passes.front_context import front_context
-from zeroc.passes.loss_normalization import LossReductionError, reads_parameter
+from zeroc.passes.front.context import front_context
+from zeroc.passes.front.loss_normalization import LossReductionError, reads_parameter
 from zeroc.runtime.torch_compat import tree_flatten
 
 __all__ = ["LossOutput", "check_sum_over_samples", "keep_loss_output", "rewrite_to_loss"]
@@ -216,7 +216,7 @@ def _rewrite_outputs(gm: torch.fx.GraphModule, output: torch.fx.Node, flat: list
                       kept=kept)
 
 
-# A loss's own final reduction over the batch (``passes/loss_normalization.py`` reads these).
+# A loss's own final reduction over the batch (``passes/front/loss_normalization.py`` reads these).
 _FINAL = {torch.sum, torch.mean, "sum", "mean", F.cross_entropy, F.nll_loss}
 
 

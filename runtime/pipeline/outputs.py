@@ -1,6 +1,6 @@
 """An evaluation step's per-sample outputs, whole, on every rank of the pipeline.
 
-An evaluation graph (``zeroc.passes.loss_output``) keeps the outputs that hold one row per
+An evaluation graph (``zeroc.passes.front.loss_output``) keeps the outputs that hold one row per
 sample (a language model's logits) after its loss; the last stage returns them for each
 micro-batch it runs. ``EvaluationOutputs`` collects them there and, when the step's forwards
 are done, makes each output whole on every pipeline position: the rows of the micro-batches a
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import pipeline_abort
 from zeroc.runtime.actions import Schedule
 from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.pipeline import abort as pipeline_abort
 
 __all__ = ["EvaluationOutputs"]
 

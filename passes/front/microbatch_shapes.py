@@ -13,13 +13,13 @@ position that holds the batch (found by matching the products of the leading siz
 by the ratio; ``expand`` is right-aligned. Factory calls without tensor inputs (``arange``,
 ``zeros``) are left alone: their sizes cannot depend on the batch through the graph.
 
-A graph ``zeroc.passes.specialize_shapes.specialize(..., costs=True)`` made at the micro-batch
+A graph ``zeroc.passes.front.specialize_shapes.specialize(..., costs=True)`` made at the micro-batch
 size (a dynamic graph traced for the pipeline) has nothing to shrink (``batch == microbatch``),
 and its nodes already carry their fake values and costs from that propagation
 (``SPECIALIZED_RUN``): a node whose target and arguments are still what that run saw
 (arguments by identity of their values) keeps them, in that run's fake mode, and only what
 the passes since changed is run again. A hoisted parameter's placeholder
-(``zeroc.passes.hoist_unshard``) takes the value its removed gather had there
+(``zeroc.passes.front.hoist_unshard``) takes the value its removed gather had there
 (``HOISTED_VALUE``) when it matches the full parameter.
 
 Each node also gets a cost from the aten ops it dispatches: matmul/attention FLOPs from
@@ -27,7 +27,7 @@ Each node also gets a cost from the aten ops it dispatches: matmul/attention FLO
 it reads and writes (an embedding reads the rows it gathers, not the whole table).
 
 ``microbatch_graph(gm, ctx)`` is the pass (``run_passes``, with a
-``zeroc.passes.front_context.FrontContext``): ``shrink_to_microbatch`` of ``gm`` with
+``zeroc.passes.front.context.FrontContext``): ``shrink_to_microbatch`` of ``gm`` with
 ``ctx.fake_inputs``, ``ctx.batch_inputs``, ``ctx.traced_batch`` and ``ctx.microbatch``; it
 returns the new graph and publishes the ``MicrobatchGraph`` as ``ctx.mgraph``.
 """
@@ -44,7 +44,7 @@ from torch.utils.flop_counter import flop_registry
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard for fake runs)
 from zeroc.passes.base import PassContext, PassResult, graph_module
-from zeroc.passes.front_context import front_context
+from zeroc.passes.front.context import front_context
 from zeroc.runtime.torch_compat import (
     FakeTensor,
     FakeTensorMode,

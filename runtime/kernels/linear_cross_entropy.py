@@ -29,7 +29,7 @@ op's loss is always float32 (``linear_cross_entropy`` returns it in ``h``'s dtyp
 counted rows is NaN as in ``F.cross_entropy``.
 
 Per chunk the non-matmul work is one kernel: on CUDA the Triton kernel of
-``zeroc.runtime.cross_entropy_triton`` (one read for an online log-sum-exp, one read and an
+``zeroc.runtime.kernels.cross_entropy_triton`` (one read for an online log-sum-exp, one read and an
 in-place write of the gradient), elsewhere an upcast, a log-softmax, an in-place exp and
 scale, and a copy back (``_torch_chunk``).
 Environment ``ZEROC_CE_KERNEL`` (``auto``/``triton``/``torch``, see ``chunk_kernel_for``)
@@ -110,9 +110,10 @@ def _interpreting() -> bool:
 
 @functools.cache
 def _triton_kernels() -> ModuleType | None:
-    """``zeroc.runtime.cross_entropy_triton``, imported on first use; None without triton."""
+    """``zeroc.runtime.kernels.cross_entropy_triton``, imported on first use; None without
+    triton."""
     try:
-        return importlib.import_module("zeroc.runtime.cross_entropy_triton")
+        return importlib.import_module("zeroc.runtime.kernels.cross_entropy_triton")
     except ImportError as exc:
         logger.debug("zeroc::linear_cross_entropy: no Triton chunk kernel (%s)", exc)
         return None

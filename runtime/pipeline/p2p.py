@@ -4,12 +4,12 @@ The executor issues each p2p group of the lowered schedule
 (``zeroc.runtime.actions.p2p_groups``) as one ``batch_isend_irecv`` (``post_batch``) when it
 reaches the group, and waits for a receive only right before the compute that reads its
 value, for the rest at the end of the step. The groups are issued in the lowering's order,
-which is deadlock-free for batched groups (``zeroc.passes.comm_lowering.verify_p2p``), and
+which is deadlock-free for batched groups (``zeroc.passes.program.comm_lowering.verify_p2p``), and
 every wait is at or after the point where that order would have waited, so NCCL's in-order
 matching per pair of ranks cannot deadlock on it (``zeroc.runtime.nccl_order`` checks it on
 what a step really issued). Messages carry several tensors; both sides enumerate them in the
 same order. Works with gloo (CPU) and NCCL (GPU). A wait that blocks the host ends within
-seconds when a peer's step failed (``zeroc.runtime.pipeline_abort.wait``).
+seconds when a peer's step failed (``zeroc.runtime.pipeline.abort.wait``).
 
 ``exchange_and_sum`` adds up the gradients of parameters that several pipeline ranks hold (a
 tied embedding and head on the first and last stage, DualPipe's two copies of every stage):
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import fake_replay, nccl_order, pipeline_abort
+from zeroc.runtime import fake_replay, nccl_order
+from zeroc.runtime.pipeline import abort as pipeline_abort
 
 
 @dataclasses.dataclass(frozen=True)

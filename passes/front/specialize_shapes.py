@@ -14,7 +14,7 @@ to it or a position index broadcast over it, then has the micro-batch's size, ex
 the model had been called with one micro-batch. ``zeroc.parallelize(model, pp=...)`` asks
 Dynamo for such a graph by marking dimension 0 of the inputs dynamic before the first trace.
 
-The passes (``run_passes``, with a ``zeroc.passes.front_context.FrontContext``):
+The passes (``run_passes``, with a ``zeroc.passes.front.context.FrontContext``):
 ``specialize`` is ``specialized_copy`` of the graph at ``ctx.inputs`` (``ctx.costs``: costed),
 ``specialize_outputs`` is ``outputs_only_copy``, or ``specialized_copy`` where that cannot
 tell an output's size. ``microbatch_inputs`` makes inputs, not a graph: it is a helper.
@@ -29,8 +29,8 @@ import torch
 import torch.fx
 
 from zeroc.passes.base import PassContext, PassResult, graph_module
-from zeroc.passes.front_context import front_context
-from zeroc.passes.microbatch_shapes import (
+from zeroc.passes.front.context import front_context
+from zeroc.passes.front.microbatch_shapes import (
     PLAIN_TYPES,
     SPECIALIZED_RUN,
     CostMode,
@@ -132,7 +132,7 @@ def specialized_copy(gm: torch.fx.GraphModule, inputs: list[Any],
                      costs: bool = False) -> torch.fx.GraphModule:
     """A static copy of ``gm`` for the call whose (real) graph inputs are ``inputs``.
     ``costs``: also cost every node and keep what its run saw and gave
-    (``zeroc.passes.microbatch_shapes.SPECIALIZED_RUN``), which ``shrink_to_microbatch``
+    (``zeroc.passes.front.microbatch_shapes.SPECIALIZED_RUN``), which ``shrink_to_microbatch``
     reuses for the nodes the passes leave as they are."""
     out, _ = _static_copy(gm, inputs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -1,7 +1,7 @@
 """What a pipeline's per-step ZeRO works on, and in what order: ``HoistedParam`` (a parameter
 whose gather was taken out of the stage graphs), its buckets, and ``ZeroOrder`` (when this
 rank's gathers and reductions are issued, from its schedule), for
-``zeroc.runtime.pipeline_zero.StepZero``.
+``zeroc.runtime.pipeline.zero.StepZero``.
 """
 
 from __future__ import annotations

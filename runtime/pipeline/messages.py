@@ -11,7 +11,7 @@ unread receive at the end of the step (``end``). This is the order NCCL needs. N
 pair of ranks' transfers on one stream in issue order, each waiting for its counterpart, so
 receives posted one by one ahead of the sends they pair with (what gloo, which matches by
 tag, accepts) deadlock there; groups issued whole, in the lowering's order
-(``zeroc.passes.comm_lowering.verify_p2p``: deadlock-free as batched groups), cannot. The
+(``zeroc.passes.program.comm_lowering.verify_p2p``: deadlock-free as batched groups), cannot. The
 transfers still overlap compute: a batch runs on the communication stream (or gloo's
 threads) while the ranks compute, until the compute that reads it. ``zeroc.runtime.
 nccl_order`` records what a step issues and waits for and plays NCCL's matching on it.
@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from zeroc.runtime import nccl_order, pipeline_abort
+from zeroc.runtime import nccl_order
 from zeroc.runtime.actions import Action, ActionKind
-from zeroc.runtime.p2p import post_batch
+from zeroc.runtime.pipeline import abort as pipeline_abort
+from zeroc.runtime.pipeline.p2p import post_batch
 
 __all__ = ["GroupPlan", "StepMessages", "plan_groups"]
 

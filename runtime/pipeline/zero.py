@@ -5,7 +5,7 @@ made them (torch pipelining's UNSHARD / REDUCE_GRAD, issued asynchronously).
 Inside a stage graph a ZeRO parameter is gathered where it is used and its gradient reduced
 where it is complete, so a pipeline step with N micro-batches would gather and reduce N times.
 With ``pp_reshard=False`` the compiler takes the ``zeroc::unshard`` of every parameter out of
-the stage graphs (``passes/hoist_unshard.py``): the graphs read the full parameter and
+the stage graphs (``passes/front/hoist_unshard.py``): the graphs read the full parameter and
 return its full gradient. ``StepZero`` then, for this rank's stages, in the order a
 ``ZeroOrder`` gives (made once from this rank's schedule by the executor):
 
@@ -17,7 +17,7 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
   then waits for its own only: the next stage's gather is in flight while this one computes.
   With ``gather_quant="int8"`` a bucket's shards are quantized together into int8 blocks and
   scales, and dequantized into the gather dtype when the bucket is waited
-  (``zeroc.runtime.gather_quant``).
+  (``zeroc.runtime.quant.gather``).
   The full parameters live until the end of the step (RESHARD), as the plan's memory says.
 - reductions: after the action group that completes a set of parameters' gradients (the last
   B or W of every stage of this rank reading them), ``reduce_ready`` casts them to
@@ -30,7 +30,7 @@ return its full gradient. ``StepZero`` then, for this rank's stages, in the orde
   averaged over the data-parallel ranks, in the shard's dtype (ZeRO-1, whose parameters are
   whole: a whole-size gradient holding this rank's averaged rows, zeros elsewhere). With
   ``reduce_quant`` each bucket's rows are quantized with error feedback, sent by an
-  all-to-all on any backend and summed in float32 (``zeroc.runtime.reduce_quant``), the
+  all-to-all on any backend and summed in float32 (``zeroc.runtime.quant.reduce``), the
   residual named by the bucket's parameters in the residual store of their model.
 
 Every rank of a data-parallel group runs the same position's schedule, so each issues the same
@@ -55,20 +55,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import pipeline_abort
 from zeroc.runtime.collectives import chunk_sum_mean, collective_bytes, reduces_by_all_to_all
 from zeroc.runtime.executor import PROFILE_PREFIX, profiling, record
-from zeroc.runtime.gather_quant import BLOCK as QUANT_BLOCK
-from zeroc.runtime.gather_quant import (
+from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.pipeline import abort as pipeline_abort
+from zeroc.runtime.pipeline.zero_order import HoistedParam, ZeroOrder, buckets, zero_order
+from zeroc.runtime.plan.records import CollectiveInfo
+from zeroc.runtime.quant.gather import BLOCK as QUANT_BLOCK
+from zeroc.runtime.quant.gather import (
     DEQUANTIZE_INT8,
     QUANTIZE_INT8,
     quantized_bytes,
     worth_quantizing,
 )
-from zeroc.runtime.mesh import resolve_group
-from zeroc.runtime.pipeline_zero_order import HoistedParam, ZeroOrder, buckets, zero_order
-from zeroc.runtime.plan.records import CollectiveInfo
-from zeroc.runtime.reduce_quant import (
+from zeroc.runtime.quant.reduce import (
     DEQUANTIZE_SUM_MEAN,
     QUANTIZE_GRAD_ROWS,
     REDUCE_BITS,
@@ -76,7 +76,7 @@ from zeroc.runtime.reduce_quant import (
     owned_key,
     row_bytes,
 )
-from zeroc.runtime.reduce_quant import worth_quantizing as worth_reducing_quantized
+from zeroc.runtime.quant.reduce import worth_quantizing as worth_reducing_quantized
 from zeroc.runtime.step_memory import allocation_label
 from zeroc.runtime.torch_compat import all_gather_single, reduce_scatter_single
 from zeroc.runtime.zero_ops import (

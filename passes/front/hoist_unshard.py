@@ -7,7 +7,7 @@ collectives would run N times per step. With ``pp_reshard=False`` this pass remo
 unshard nodes whose input is a parameter placeholder: every use reads the placeholder
 instead, which from now on stands for the *full* parameter (in ``param_dtype``), and whose
 gradient the stage graphs return whole. The executor gathers and reduces once per step
-(``runtime/pipeline_zero.py``) with what is returned here: a ``HoistedParam`` per parameter
+(``runtime/pipeline/zero.py``) with what is returned here: a ``HoistedParam`` per parameter
 input. An unshard of anything else stays in the graph. A pipeline opens no accumulation sink
 (``zeroc.sharding.sharded_params``): its step keeps unsynchronised sums itself.
 
@@ -15,7 +15,7 @@ The stage graphs are then traced on fake full-size parameters of a fake tensor m
 own (``zeroc.pipeline.stage_trace``), never on tensors of the rank's device.
 
 ``hoist_unshards(gm, ctx)`` is the pass (``run_passes``, with a
-``zeroc.passes.front_context.FrontContext``): ``remove_param_unshards`` in place with
+``zeroc.passes.front.context.FrontContext``): ``remove_param_unshards`` in place with
 ``ctx.params`` and ``ctx.names``, the ``HoistedParam``s published as ``ctx.hoisted``. With
 ``pp_reshard=True`` it leaves the graph as it is: the stages gather for themselves.
 """
@@ -29,9 +29,9 @@ import torch.fx
 
 import zeroc.runtime.zero_ops  # noqa: F401  (registers zeroc::unshard)
 from zeroc.passes.base import PassContext, PassResult
-from zeroc.passes.front_context import front_context
-from zeroc.passes.microbatch_shapes import HOISTED_VALUE, SPECIALIZED_RUN
-from zeroc.runtime.pipeline_zero import HoistedParam
+from zeroc.passes.front.context import front_context
+from zeroc.passes.front.microbatch_shapes import HOISTED_VALUE, SPECIALIZED_RUN
+from zeroc.runtime.pipeline.zero import HoistedParam
 
 __all__ = ["hoist_unshards", "remove_param_unshards"]
 

@@ -25,7 +25,7 @@ collective). The timings never wait (``StepClock``); nothing waits on the CPU, w
 rows are on the host when the all-gather returns.
 
 ``loss_scale`` is 1 / the loss's denominator from this replica's batch: the graphs return
-numerators (see ``zeroc.passes.loss_normalization``); the executor seeds the backwards with
+numerators (see ``zeroc.passes.front.loss_normalization``); the executor seeds the backwards with
 it. A denominator computed from the batch (a count of targets) stays a device tensor; where
 it is 0 the step's loss is NaN and its backward is seeded with 0, and the error comes when
 the rows are read. Everything that does not change between steps (the labels of every
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroc.runtime import pipeline_abort
 from zeroc.runtime.actions import Action
 from zeroc.runtime.mesh import resolve_group
+from zeroc.runtime.pipeline import abort as pipeline_abort
 from zeroc.runtime.step_clock import StepClock, host_row
 from zeroc.runtime.torch_compat import FakeTensor
 

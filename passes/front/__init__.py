@@ -1,0 +1,3 @@
+"""The pipeline front's passes: the loss output, its normalization, hoisted gathers, shapes and
+the stage split.
+"""
