@@ -5,9 +5,10 @@ A user evaluates a pipelined Hugging Face model as any other: ``model.eval()``, 
 without (logits alone), at a batch size training never used. Dynamo traces that call as a
 graph of its own (it guards on the grad mode), which zeroc compiles as an evaluation graph:
 forward-only stage graphs (no joint graph is exported) whose last stage returns the logits,
-made whole on every rank of the pipeline. Here, after a training step, every schedule family
-(1F1B, DualPipeV, and DualPipe, whose last stages sit on both positions) at ZeRO 0 and 3
-returns eager's loss and logits on every rank.
+made whole on every rank of the pipeline; a last batch that the micro-batch count does not
+divide runs as the nearest count that divides it. Here, after a training step, every schedule
+family (1F1B, DualPipeV, and DualPipe, whose last stages sit on both positions) at ZeRO 0 and
+3 returns eager's loss and logits on every rank.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from zeroc.pipeline import pipeline_capture, stage_trace
 WORLD = 2
 # (schedule, micro-batches, zero)
 CASES = (("1f1b", 2, 3), ("dualpipev", 4, 0), ("dualpipe", 4, 3))
-TRAIN, EVAL = (8, 8), (4, 12)  # (batch, sequence length): evaluation at another batch size
+# (batch, sequence length): evaluation at another batch size, and a last batch of 6 rows
+TRAIN, EVAL, LAST = (8, 8), (4, 12), (6, 8)
 
 
 class Outputs(nn.Module):
@@ -57,8 +59,11 @@ def _steps(run, model: nn.Module, optimizer: torch.optim.Optimizer,
         scored = run(ids, labels)
     with torch.inference_mode():
         plain = run(ids)
-    return {"train": out.loss.item(), "loss": scored.loss.item(),
-            "logits": scored.logits.clone(), "plain": plain.logits.clone()}
+    with torch.no_grad():  # a last batch no micro-batch count of the options divides
+        last = run(*hf.token_batch(*LAST, seed=2))
+    return {"train": out.loss.item(), "loss": scored.loss.item(), "last": last.loss.item(),
+            "logits": scored.logits.clone(), "plain": plain.logits.clone(),
+            "last_logits": last.logits.clone()}
 
 
 def evaluation_job(rank: int, world: int) -> dict:
@@ -106,10 +111,10 @@ def test_pipeline_evaluation_returns_eager_outputs_on_every_rank() -> None:
                 where, got["evaluation_exports"])
             assert any(name.endswith(".backward") for name in got["plan_graphs"]), (
                 where, got["plan_graphs"])
-            for key in ("train", "loss"):
+            for key in ("train", "loss", "last"):
                 torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(expected[key]),
                                            rtol=1e-5, atol=1e-6, msg=f"{where}: {key}")
-            for key in ("logits", "plain"):
+            for key in ("logits", "plain", "last_logits"):
                 assert got[key].device.type == "cpu", (where, key, got[key].device)
                 torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-5,
                                            msg=f"{where}: {key}")

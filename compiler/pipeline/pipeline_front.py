@@ -85,6 +85,22 @@ def default_microbatches(schedule: str, pp: int) -> int:
     return max(stages, 2 * pp) if schedule in ("dualpipe", "dualpipev") else stages
 
 
+def evaluation_microbatches(batch: int, microbatches: int, schedule: str, pp: int) -> int:
+    """The micro-batch count of an evaluation whose batch ``microbatches`` does not divide:
+    the divisor of ``batch`` the schedule accepts nearest to it (the fewer of two equally
+    near), so a last, smaller batch evaluates as any other; ``microbatches`` if none does
+    (the caller's error then names it). Only the forwards' pipelining depends on it."""
+    fits = []
+    for count in range(1, batch + 1):
+        if batch % count == 0:
+            try:
+                build_schedule(schedule, pp, count)
+            except ValueError:
+                continue
+            fits.append(count)
+    return min(fits, key=lambda c: (abs(c - microbatches), c)) if fits else microbatches
+
+
 USER_INPUT_META = "zeroc_user_input"
 
 
@@ -287,6 +303,8 @@ def _build(gm: torch.fx.GraphModule | None, example_inputs: list[Any], config: C
         check_sum_over_samples(dynamic_gm, full.loss_output.index, batch_inputs)
     pp = layout.pp
     microbatches = config.microbatches or default_microbatches(config.schedule, pp)
+    if batch % microbatches and evaluation:  # an evaluation batch of its own size
+        microbatches = evaluation_microbatches(batch, microbatches, config.schedule, pp)
     if batch % microbatches:
         raise ValueError(
             f"zeroc pipeline: microbatches={microbatches} does not divide the batch of "
