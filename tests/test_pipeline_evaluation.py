@@ -6,9 +6,9 @@ without (logits alone), at a batch size training never used. Dynamo traces that 
 graph of its own (it guards on the grad mode), which zeroc compiles as an evaluation graph:
 forward-only stage graphs (no joint graph is exported) whose last stage returns the logits,
 made whole on every rank of the pipeline; a last batch that the micro-batch count does not
-divide runs as the nearest count that divides it. Here, after a training step, every schedule
-family (1F1B, DualPipeV, and DualPipe, whose last stages sit on both positions) at ZeRO 0 and
-3 returns eager's loss and logits on every rank.
+divide runs as the nearest count that divides it. Here, after a training step, DualPipeV (whose last
+stage sits on one position, as in 1F1B, GPipe and ZB1P) at ZeRO 0 and DualPipe (whose last
+stages sit on both positions) at ZeRO 3 return eager's loss and logits on every rank.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import zeroc
 from zeroc.pipeline import pipeline_capture, stage_trace
 
 WORLD = 2
-# (schedule, micro-batches, zero)
-CASES = (("1f1b", 2, 3), ("dualpipev", 4, 0), ("dualpipe", 4, 3))
+# (schedule, micro-batches, zero): the last stage on one position (DualPipeV, as 1F1B, GPipe
+# and ZB1P have it) and on both (DualPipe)
+CASES = (("dualpipev", 4, 0), ("dualpipe", 4, 3))
 # (batch, sequence length): evaluation at another batch size, and a last batch of 6 rows
 TRAIN, EVAL, LAST = (8, 8), (4, 12), (6, 8)
 
