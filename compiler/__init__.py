@@ -41,8 +41,8 @@ if _PREVIOUS_SIGINT is not None:
 
 if TYPE_CHECKING:
     from zeroc.frontend.config import Config
+    from zeroc.runtime.layout import MixedPrecision
     from zeroc.runtime.plan.plan import Plan
-    from zeroc.runtime.zero_ops import MixedPrecision
     from zeroc.sharding.checkpoint import load_checkpoint, save_checkpoint
     from zeroc.sharding.residual_state import ReductionResiduals
     from zeroc.sharding.training import (
@@ -75,7 +75,7 @@ __all__ = [
 
 _LAZY = {
     "Config": ("zeroc.frontend.config", "Config"),
-    "MixedPrecision": ("zeroc.runtime.zero_ops", "MixedPrecision"),
+    "MixedPrecision": ("zeroc.runtime.layout", "MixedPrecision"),
     "Plan": ("zeroc.runtime.plan.plan", "Plan"),
     "ReductionResiduals": ("zeroc.sharding.residual_state", "ReductionResiduals"),
     "clip_grad_norm_": ("zeroc.sharding.training", "clip_grad_norm_"),

@@ -30,6 +30,7 @@ from zeroc.frontend.session_plan import (
     _with_full_shapes,
     _with_mesh_dims,
 )
+from zeroc.runtime.layout import ParamShard, ZeroLayout
 from zeroc.runtime.mesh import Mesh
 from zeroc.runtime.plan.plan import Plan, PlanMeta
 from zeroc.runtime.plan.plan_format import MAX_ROWS, WIDTH, stat_text
@@ -40,7 +41,6 @@ from zeroc.runtime.plan.records import (
     ParamInfo,
     PassInfo,
 )
-from zeroc.runtime.zero_ops import ParamShard, ZeroLayout
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 UPDATE = os.environ.get("ZEROC_UPDATE_GOLDEN") == "1"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from zeroc.frontend.session import SESSION_ATTR, CompileSession, compiled_regions
 from zeroc.runtime.cost.cost import ADAM_STATES
+from zeroc.runtime.layout import ZeroLayout
 from zeroc.runtime.mesh import resolve_group
 from zeroc.runtime.plan.plan import PLAN_FORMAT, Plan, PlanMeta, launched
 from zeroc.runtime.plan.records import (
@@ -25,7 +26,6 @@ from zeroc.runtime.plan.records import (
 )
 from zeroc.runtime.program import ProgramRecord, frozen_mapping
 from zeroc.runtime.secondary_shard import secondary_groups
-from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.tune_cache import layout_match
 
 # Adam keeps two fp32 moments per parameter element.

@@ -19,8 +19,8 @@ import zeroc.codegen as zeroc_codegen
 import zeroc.passes as zeroc_passes
 import zeroc.runtime as zeroc_runtime
 from zeroc.frontend.capture import source_name
+from zeroc.runtime.layout import ZeroLayout
 from zeroc.runtime.torch_compat import graph_break_reasons
-from zeroc.runtime.zero_ops import ZeroLayout
 
 __all__ = ["check_one_graph", "cut_failed"]
 

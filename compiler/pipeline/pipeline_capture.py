@@ -69,6 +69,7 @@ from zeroc.pipeline.stage_trace import (
     export_stage,
     sink_output_tokens,
 )
+from zeroc.runtime.layout import ZeroLayout
 from zeroc.runtime.pipeline.abort import StepCounter
 from zeroc.runtime.pipeline.executor import (
     PP_SOURCE_ATTR,
@@ -76,7 +77,6 @@ from zeroc.runtime.pipeline.executor import (
     StageProgram,
 )
 from zeroc.runtime.world import PlannedWorld
-from zeroc.runtime.zero_ops import ZeroLayout
 from zeroc.sharding.stage_holding import keep_only
 
 LAYOUT_ATTR = "_zeroc_layout"

@@ -57,6 +57,7 @@ from zeroc.passes.program.schedule import build_schedule
 from zeroc.pipeline.front_errors import check_one_graph, cut_failed
 from zeroc.pipeline.stage_trace import full_size_fakes
 from zeroc.runtime.actions import Schedule
+from zeroc.runtime.layout import ZeroLayout
 from zeroc.runtime.plan.records import ParamInfo, PassInfo
 from zeroc.runtime.torch_compat import (
     OpOverload,
@@ -64,7 +65,6 @@ from zeroc.runtime.torch_compat import (
     tree_flatten,
 )
 from zeroc.runtime.world import SharedPlanning
-from zeroc.runtime.zero_ops import ZeroLayout
 
 __all__ = ["GROUP_NAMESPACES", "SHARED_TRACE_META", "FrontBuilt", "PipelineFront",
            "default_microbatches",

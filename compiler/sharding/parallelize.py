@@ -59,14 +59,12 @@ from zeroc.frontend.trace_settings import (
     mark_batch_dynamic,
 )
 from zeroc.runtime.errors import OptionError
+from zeroc.runtime.layout import MixedPrecision, ParamShard, ZeroLayout
 from zeroc.runtime.mesh import Mesh, build_mesh, group_device, host_dp_mesh
 from zeroc.runtime.torch_compat import tree_map
 from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import (
     ZERO_STAGES,
-    MixedPrecision,
-    ParamShard,
-    ZeroLayout,
     local_rows_for,
     padded_numel_for,
     row_numel,

@@ -55,8 +55,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from zeroc.runtime.layout import ParamShard
 from zeroc.runtime.torch_compat import make_contiguous_strides_for
-from zeroc.runtime.zero_ops import ParamShard, unshard
+from zeroc.runtime.zero_ops import unshard
 from zeroc.sharding.accumulation import sink_accumulated
 from zeroc.sharding.param_guards import guard_methods
 
