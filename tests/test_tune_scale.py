@@ -8,7 +8,9 @@ vocab``) once ``heads x seq > vocab`` (7B at 4096 tokens: 131072 > 32000), and t
 took the largest output for the logits, so the fused loss "freed" the scores of every layer
 (a 7B step of 8 x 4096 tokens at pp=8 screened at 24 GiB, planned at 101 GiB). These tests
 screen and plan the same candidates of Llamas with such sequences, one narrow and quick, one
-with a 7B layer's full width.
+with a 7B layer's full width. The Llamas use Hugging Face's eager attention, which holds the
+scores on a GPU too (SDPA on a planned GPU takes a fused kernel that holds none:
+``tests/test_planned_attention.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _llama(layers: int, hidden: int, ffn: int, heads: int, vocab: int,
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
-        use_cache=False, tie_word_embeddings=False)
+        use_cache=False, tie_word_embeddings=False, attn_implementation="eager")
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config)
 

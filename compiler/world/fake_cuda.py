@@ -27,6 +27,23 @@ of C++ built once with ``torch.utils.cpp_extension``:
   threads are sized once, by the first backward of the process, which may have run before
   the guard was registered.
 
+A third thing differs without failing: ``scaled_dot_product_attention`` asks a dispatch stub
+(``_fused_sdp_choice_stub``, not an operator) for its backend, and where no CUDA kernel is
+registered it takes the math path, which saves a (batch, heads, seq, seq) score matrix per
+layer where a GPU's fused kernels keep O(seq) per row. ``ensure_fake_cuda`` registers a CUDA
+choice that, while ``fake_cuda_planning`` is active, picks what torch's own CUDA choice picks
+on the planned GPU (an sm90 card: ``PLANNED_CAPABILITY``), in its default order, honouring
+``torch.backends.cuda.enable_{flash,mem_efficient,math}_sdp`` and ``sdpa_kernel``: flash
+attention (fp16/bf16, no attn_mask, causal only on square scores, equal head dims <= 256;
+dropout and grouped KV heads allowed), else memory-efficient attention (fp32/fp16/bf16, any
+mask, head dims divisible by 8 (4 for fp32), equal KV and query heads), else math. SDPA then
+lowers to ``aten._scaled_dot_product_flash_attention`` or
+``aten._scaled_dot_product_efficient_attention`` and their backward ops, which have fake
+implementations, and ``torch.utils.flop_counter``'s formulas count their FLOPs. cuDNN
+attention, which torch prefers on an sm90 card with a recent cuDNN, is not chosen: its
+memory is the flash kernel's (output and one float per row). Nested inputs keep the math
+path.
+
 On a CUDA build with no GPU present the step's ``loss.backward()`` stays out of the engine
 (whose stream bookkeeping for the gradients it hands to leaves keeps one entry per device
 present, and there is none): ``run_backward`` walks the autograd graph itself there,
@@ -125,6 +142,83 @@ std::string install_cuda_hooks() {
 
 bool set_planning(bool on) { return planning.exchange(on); }
 """
+
+# SDPA's backend on the planned GPU (see the module docstring). Outside planning the CUDA hooks
+# say CUDA is not built and the choice is math, as it was with no CUDA kernel registered.
+_SDPA_SOURCE = r"""
+#include <ATen/native/transformers/attention.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <initializer_list>
+
+namespace {
+using sdp::SDPBackend;
+
+bool planned_flash(const sdp::sdp_params& p) {
+  if (!sdp::check_runtime_disabled_flash(p, false) || !sdp::check_tensor_shapes(p, false) ||
+      !sdp::check_for_attn_mask(p, false)) {
+    return false;
+  }
+  const auto dtype = p.query.scalar_type();
+  const auto head = p.query.sym_size(-1);
+  return (dtype == at::kHalf || dtype == at::kBFloat16) &&
+         TORCH_GUARD_OR_FALSE(head.sym_eq(p.key.sym_size(-1))) &&
+         TORCH_GUARD_OR_FALSE(head.sym_eq(p.value.sym_size(-1))) &&
+         TORCH_GUARD_OR_FALSE(head.sym_le(256)) &&
+         (!p.is_causal || TORCH_GUARD_OR_FALSE(p.query.sym_size(-2).sym_eq(p.key.sym_size(-2)))) &&
+         sdp::check_batch_size_and_num_heads_dense<true>(p, false) &&
+         sdp::check_nonzero_sequence_lengths_dense(p, false) &&
+         sdp::check_last_dim_stride_equals_1_dense<true>(p, false);
+}
+
+bool planned_efficient(const sdp::sdp_params& p) {
+  if (!sdp::check_runtime_disabled_mem_efficient(p, false) ||
+      !sdp::check_tensor_shapes(p, false)) {
+    return false;
+  }
+  const auto dtype = p.query.scalar_type();
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  const int64_t alignment = half ? 8 : 4;  // sm80 and on: a 128-bit tensor-core row
+  const auto head = p.query.sym_size(-1);
+  const auto head_v = p.value.sym_size(-1);
+  if (!((half || dtype == at::kFloat) &&
+        TORCH_GUARD_OR_FALSE(head.sym_eq(p.key.sym_size(-1))) &&
+        TORCH_GUARD_OR_FALSE((head % alignment).sym_eq(0)) &&
+        TORCH_GUARD_OR_FALSE(head.sym_gt(0)) &&
+        TORCH_GUARD_OR_FALSE((head_v % alignment).sym_eq(0)) &&
+        TORCH_GUARD_OR_FALSE(head_v.sym_gt(0)))) {
+    return false;
+  }
+  for (const at::Tensor* t : {&p.query, &p.key, &p.value}) {  // the kernel's pointer alignment
+    if (!TORCH_GUARD_OR_TRUE((t->sym_storage_offset() % alignment).sym_eq(0))) return false;
+  }
+  return sdp::check_nonzero_sequence_lengths_dense(p, false) &&
+         sdp::check_last_dim_stride_equals_1_dense<false>(p, false) &&
+         sdp::check_batch_size_and_num_heads_dense<false>(p, false);
+}
+
+int64_t planned_sdp_choice(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                           double dropout, bool is_causal, std::optional<double> scale,
+                           bool enable_gqa) {
+  const sdp::sdp_params p{query, key, value, attn_mask, dropout, is_causal, enable_gqa};
+  if (!at::detail::getCUDAHooks().isBuilt() || !sdp::has_only_dense_inputs(p)) {
+    return static_cast<int64_t>(SDPBackend::math);
+  }
+  if (planned_flash(p)) return static_cast<int64_t>(SDPBackend::flash_attention);
+  if (planned_efficient(p)) return static_cast<int64_t>(SDPBackend::efficient_attention);
+  TORCH_CHECK(at::globalContext().userEnabledMathSDP(),
+              "zeroc planned CUDA world: no enabled scaled_dot_product_attention backend takes "
+              "these inputs (flash and memory-efficient attention do not; math is disabled)");
+  return static_cast<int64_t>(SDPBackend::math);
+}
+}  // namespace
+
+// Only on a CPU-only torch, whose stub has no CUDA kernel (``is_device_supported`` is not
+// callable from an extension: its signature depends on torch's CPU-capability macros).
+void install_sdp_choice() {
+  at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&planned_sdp_choice);
+}
+"""
 _LOCK = threading.Lock()
 _MODULE: list[Any] = []  # the built extension, once ensure_fake_cuda has run on a CPU build
 
@@ -138,9 +232,9 @@ def _build() -> Any:
 
     log.info("building the fake CUDA device guard and hooks for planning on a CPU-only torch")
     try:
-        return load_inline("zeroc_fake_cuda", cpp_sources=[_SOURCE],
+        return load_inline("zeroc_fake_cuda", cpp_sources=[_SOURCE, _SDPA_SOURCE],
                            functions=["install_cuda_guard", "install_cuda_hooks",
-                                      "set_planning"], verbose=False)
+                                      "set_planning", "install_sdp_choice"], verbose=False)
     except Exception as error:  # no compiler, no headers
         raise RuntimeError(
             "zeroc: planning for device='cuda' on a CPU-only torch needs a C++ compiler to "
@@ -163,6 +257,7 @@ def ensure_fake_cuda() -> None:
                 "zeroc: planning for device='cuda' on this CPU-only torch needs its CUDA hooks "
                 f"to be torch's own stubs, but they are {unexpected}. Plan with device='cpu' "
                 "(or use a CUDA build of torch)")
+        module.install_sdp_choice()
         _MODULE.append(module)
 
 
