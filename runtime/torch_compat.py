@@ -103,7 +103,8 @@ __all__ = [
     # torch's logging registry
     "add_torch_log_handler", "register_torch_log", "torch_logs_env_var",
     # torch.distributed
-    "DTensorSpec", "FakeStore", "TensorMeta", "all_gather_single", "default_store",
+    "DTensorSpec", "FakeStore", "TensorMeta", "all_gather_single", "dcp_flat_keys",
+    "default_store",
     "reduce_scatter_single", "resolve_process_group",
 ]
 
@@ -203,6 +204,14 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def dcp_flat_keys(state: dict[str, Any]) -> set[str]:
+    """The keys ``torch.distributed.checkpoint`` gives ``state``'s entries (what ``dcp.save``
+    writes and ``dcp.load`` reads): its own flattening, so the two always agree."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return set(flatten_state_dict(state)[0])
 
 
 def default_store() -> dist.Store | None:

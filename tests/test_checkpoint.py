@@ -9,6 +9,7 @@ renames loads the previous checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -109,5 +110,30 @@ def test_a_save_lost_between_the_renames_loads_the_previous_checkpoint(tmp_path)
     assert _differences(loaded, model.state_dict()) == []
     with pytest.raises(ValueError, match="path=None must be a directory path"):
         zeroc.save_checkpoint({}, None)
+    with pytest.raises(TypeError, match=r"path is a dict \(keys \['model'\]\); the state "
+                       "comes first") as swapped:  # short: not the whole state's repr
+        zeroc.save_checkpoint(directory, {"model": model.state_dict()})
+    assert len(str(swapped.value)) < 200
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         zeroc.load_checkpoint({}, str(tmp_path / "missing"))
+
+
+def test_entries_the_state_has_no_place_for_are_named(tmp_path, caplog) -> None:
+    """An optimizer's ``state_dict()`` before its first step is empty: loading into it reads
+    none of the saved moments, which DCP does silently. zeroc names what it left unread."""
+    directory = str(tmp_path / "ckpt")
+    model = _gpt()
+    optimizer = torch.optim.AdamW(model.parameters())
+    _step(model, optimizer, seed=0)
+    zeroc.save_checkpoint({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                          directory)
+    fresh = _gpt()
+    state = {"model": fresh.state_dict(),
+             "optim": torch.optim.AdamW(fresh.parameters()).state_dict()}
+    with caplog.at_level(logging.WARNING, logger="zeroc"):
+        zeroc.load_checkpoint(state, directory)
+    assert "were not loaded" in caplog.text and "optim.state.0.exp_avg" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zeroc"):  # the model alone: nothing unread
+        zeroc.load_checkpoint({"model": fresh.state_dict()}, directory)
+    assert "were not loaded" not in caplog.text

@@ -47,6 +47,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from zeroc.runtime.torch_compat import dcp_flat_keys
+
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,13 @@ def _is_rank0() -> bool:
 
 
 def _check_path(path: Any, caller: str) -> str:
+    if isinstance(path, dict):  # the state passed where the path goes: say so, briefly
+        raise TypeError(f"zeroc.{caller}(state, path): path is a dict (keys "
+                        f"{sorted(map(str, path))[:5]}); the state comes first, then the "
+                        "directory path")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ValueError(f"zeroc.{caller}: path={path!r} must be a directory path (a str or "
+        shown = repr(path) if len(repr(path)) <= 80 else f"a {type(path).__name__}"
+        raise ValueError(f"zeroc.{caller}: path={shown} must be a directory path (a str or "
                          "os.PathLike)")
     return os.path.abspath(os.fspath(path))
 
@@ -233,4 +240,21 @@ def load_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> str:
         log.warning("zeroc: a save of %s was interrupted; loading the newest whole checkpoint "
                     "it left, %s (sequence %d)", target, source, sequence)
     dcp.load(state, checkpoint_id=source)
+    _warn_unread(state, source)
     return source
+
+
+def _warn_unread(state: dict[str, Any], source: str) -> None:
+    """Say when the checkpoint holds entries under one of ``state``'s top-level keys that
+    ``state`` has no place for, so they were not loaded: the classic case is an optimizer's
+    ``state_dict()`` taken before its first step (empty), which loads no moments at all
+    (``get_optimizer_state_dict(model, optimizer)`` makes the places)."""
+    saved = set(dcp.FileSystemReader(source).read_metadata().state_dict_metadata)
+    unread = sorted(k for k in saved - dcp_flat_keys(state) if k.split(".", 1)[0] in state)
+    if unread:
+        log.warning(
+            "zeroc.load_checkpoint: %d entries of %s were not loaded: the state passed has no "
+            "place for them (e.g. %s). An optimizer's state_dict() is empty before its first "
+            "step; load into get_optimizer_state_dict(model, optimizer) (and "
+            "get_model_state_dict(model)), then set_optimizer_state_dict", len(unread), source,
+            ", ".join(unread[:3]))
