@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -232,7 +233,10 @@ def _build() -> Any:
 
     log.info("building the fake CUDA device guard and hooks for planning on a CPU-only torch")
     try:
-        return load_inline("zeroc_fake_cuda", cpp_sources=[_SOURCE, _SDPA_SOURCE],
+        # Named by its source: processes of another zeroc version (a wheel being tested, an
+        # older checkout) build their own and never rebuild or load this one under it.
+        digest = hashlib.sha256((_SOURCE + _SDPA_SOURCE).encode()).hexdigest()[:12]
+        return load_inline(f"zeroc_fake_cuda_{digest}", cpp_sources=[_SOURCE, _SDPA_SOURCE],
                            functions=["install_cuda_guard", "install_cuda_hooks",
                                       "set_planning", "install_sdp_choice"], verbose=False)
     except Exception as error:  # no compiler, no headers
