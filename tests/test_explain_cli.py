@@ -110,7 +110,7 @@ def test_plans_a_four_rank_pipeline_from_a_factory(tmp_path) -> None:
 
         def build():
             with torch.device("meta"):
-                model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2,
+                model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
                                       d_model=32))
             tokens = torch.zeros(8, 16, dtype=torch.long)
             return model, (tokens, tokens)

@@ -94,7 +94,8 @@ def test_every_collective_p2p_and_graph_input_is_on_cuda(monkeypatch, world, pp,
     seen = _graph_inputs(monkeypatch)
     DEVICES.clear()
     monkeypatch.setattr(step_memory, "StepMemory", DeviceLog)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32))
+    layers = 4 if schedule == "dualpipev" else 2  # one block per DualPipeV stage
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, d_model=32))
     tokens = torch.zeros(8, 16, dtype=torch.long)
     options = {"schedule": schedule} if schedule else {}
     accelerator = torch.accelerator.current_accelerator()

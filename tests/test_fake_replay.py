@@ -98,8 +98,10 @@ def test_a_graph_holding_a_collective_always_runs() -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
 def test_planned_memory_is_the_same_replayed_or_run(schedule: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    def plan():
-        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32))
+    def plan():  # one block per stage: DualPipeV runs 2 * pp stages, 1F1B pp
+        layers = 4 if schedule == "dualpipev" else 2
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2,
+                              d_model=32))
         tokens = torch.zeros(8, 16, dtype=torch.long)
         result = zeroc.explain(model, (tokens, tokens), world=4, pp=2, zero=3, device="cpu",
                                options={"schedule": schedule, "microbatches": 4})
@@ -134,11 +136,13 @@ def test_the_step_that_records_measures_as_a_replayed_step(device: str,
 
     from zeroc.world import fake_world, plan_workers
 
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+    def llama(layers: int):
+        config = transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config)
+
     tokens = torch.zeros(8, 32, dtype=torch.long)
     measure = fake_world.measured_step
     steps = []
@@ -154,9 +158,10 @@ def test_the_step_that_records_measures_as_a_replayed_step(device: str,
 
     monkeypatch.setattr(fake_world, "measured_step", twice)
     monkeypatch.setattr(plan_workers, "planning_cores", lambda: 1)  # the steps, seen here
-    for schedule in ("1f1b", "dualpipev"):
-        zeroc.explain(model, {"input_ids": tokens, "labels": tokens}, world=4, pp=2, zero=3,
-                      device=device, options={"schedule": schedule, "microbatches": 4})
+    for schedule, layers in (("1f1b", 2), ("dualpipev", 4)):  # one layer per stage
+        zeroc.explain(llama(layers), {"input_ids": tokens, "labels": tokens}, world=4, pp=2,
+                      zero=3, device=device,
+                      options={"schedule": schedule, "microbatches": 4})
     assert len(steps) == 4
     for first, second, recorded, recorded_again in steps:
         assert recorded > 0 and recorded_again == 0  # the first step ran graphs, the second not

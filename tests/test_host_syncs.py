@@ -99,7 +99,8 @@ def steady_syncs(monkeypatch, rank: int, world: int, pp: int, options: dict, zer
         original = getattr(cls, name)
         monkeypatch.setattr(cls, name, lambda self, *a, _o=original, **k: (
             ran.append(type(self).__name__), _o(self, *a, **k))[1])
-    model = meta_copy(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2,
+    # Two blocks at pp=1; one per stage of DualPipeV's four at pp=2.
+    model = meta_copy(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2 * pp, n_head=2,
                                     d_model=32)))
     counted = []
     with fake_world(rank, world, pp, "cuda"):

@@ -154,10 +154,16 @@ def _placement(record) -> dict:
 def two_rank_job(rank: int, world: int) -> dict:
     from zeroc.sharding.state_dict import full_state_dict
 
+    def placement(compiled) -> dict:
+        (record,) = _records(compiled)
+        return {"placement": _placement(record), "moved": list(record.collectives_moved)}
+
     results = {}
     for zero in (0, 1, 2, 3):
+        # ZeRO-3's placement is read from the record of the compile that trained.
         results[zero] = train_compiled(rank, world, "gpt", zero,
-                                       {"bucket_mb": 0.01, "prefetch": 1, **INDUCTOR})
+                                       {"bucket_mb": 0.01, "prefetch": 1, **INDUCTOR},
+                                       inspect=placement if zero == 3 else None)
         torch._dynamo.reset()
     model = zeroc.parallelize(_gpt4(), zero=0, pp=world)
     # pp_reshard=True: DualPipeV's overlapped actions run as F&B graphs (the default runs
@@ -168,17 +174,8 @@ def two_rank_job(rank: int, world: int) -> dict:
     (record,) = _records(compiled)
     results["pp"] = {"losses": losses, "full": full_state_dict(model),
                      "placement": _placement(record), "moved": list(record.collectives_moved)}
-    # ZeRO-3 placement, read from a fresh compile's record.
-    torch._dynamo.reset()
-    model = zeroc.parallelize(GPT(GPTConfig.tiny(), seed=5), zero=3)
-    compiled = torch.compile(model, backend="zeroc",
-                             options={"bucket_mb": 0.01, "prefetch": 1, **INDUCTOR})
-    tokens = _pipeline_batches()[0][0][:2]
-    compiled(tokens, tokens).backward()
-    (record,) = _records(compiled)
-    plan = zeroc.explain(compiled)
-    results["zero3"] = {"placement": _placement(record), "moved": list(record.collectives_moved),
-                        "planned": [(c.graph, c.op) for c in plan.collectives]}
+    results["zero3"] = {**results[3]["inspected"],
+                        "planned": [(graph, op) for graph, op, _b, _n in results[3]["collectives"]]}
     dist.barrier()
     return results
 

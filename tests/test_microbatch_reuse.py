@@ -19,10 +19,11 @@ import zeroc.passes.front.microbatch_shapes as microbatch_shapes
 import zeroc.world.plan_workers as plan_workers
 
 
+# Two blocks, one per stage of the pp=2 plans below (Dynamo's trace grows with the blocks).
 def _llama() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
         use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -30,7 +31,7 @@ def _llama() -> torch.nn.Module:
 
 
 def _gpt() -> torch.nn.Module:
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32), seed=1)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32), seed=1)
 
 
 def _inputs(name: str):

@@ -32,8 +32,9 @@ from zeroc.tuning.tune import _agree_failed, _same_inputs
 from zeroc.world.fake_world import _fake_inputs, fake_world, loss_of, meta_copy, planned_world
 
 
-def _gpt() -> GPT:
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32), seed=1)
+def _gpt(layers: int = 2) -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, d_model=32),
+               seed=1)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,10 @@ def _rank_after_a_step(pp: int, zero: int, world: int = 4, rank: int = 0,
     with fake_world(rank, world, pp, "cuda"):
         planned = planned_world(rank, world, pp, "cuda")
         args, kwargs = _fake_inputs(_batch(), planned.device)
-        model = zeroc.parallelize(meta_copy(_gpt()), zero=zero, pp=pp, planned_world=planned)
+        # One block per stage: DualPipeV runs 2 * pp stages.
+        layers = 2 * pp if (options or {}).get("schedule") == "dualpipev" else 2
+        model = zeroc.parallelize(meta_copy(_gpt(layers)), zero=zero, pp=pp,
+                                  planned_world=planned)
         compiled = torch.compile(model, backend="zeroc", options=dict(options or {}))
         optimizer = torch.optim.AdamW(model.parameters())
         loss = loss_of(compiled(*args, **kwargs))

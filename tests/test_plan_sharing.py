@@ -19,8 +19,9 @@ import zeroc.world.world_plan as world_plan
 from zeroc.pipeline import stage_trace
 
 
-def _model() -> GPT:
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32), seed=1)
+def _model(layers: int) -> GPT:
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, d_model=32),
+               seed=1)
 
 
 def _summary(position) -> dict:
@@ -58,7 +59,10 @@ def _plan(monkeypatch: pytest.MonkeyPatch, share: bool, options: dict) -> tuple[
             patch.setattr(world_plan, "SharedTrace", lambda shared: None)
             patch.setattr(world_plan, "SharedPlanning", lambda: None)
         tokens = torch.zeros(8, 16, dtype=torch.long)
-        zeroc.explain(_model(), (tokens, tokens), world=8, pp=4, zero=3, device="cpu",
+        # One block per stage (Dynamo's trace grows with the blocks): 1F1B runs pp stages,
+        # DualPipeV 2 * pp.
+        layers = 8 if options["schedule"] == "dualpipev" else 4
+        zeroc.explain(_model(layers), (tokens, tokens), world=8, pp=4, zero=3, device="cpu",
                       options=options)
     return [_summary(p) for p in positions], sum(1 for e in exports if e)
 

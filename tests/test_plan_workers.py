@@ -22,7 +22,8 @@ from zeroc.world.plan_workers import PositionWork, split_positions
 
 
 def _model() -> GPT:
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32), seed=1)
+    """One block per stage of the pp=4 plans (the middle two stages alike)."""
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32), seed=1)
 
 
 def _plan(monkeypatch: pytest.MonkeyPatch, cores: int, log_path=None, fail=None):

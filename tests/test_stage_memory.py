@@ -7,8 +7,11 @@ plan's memory table shows that figure for every rank. Cases: pp=2 dualpipev (2 r
 1f1b (4 ranks) and pp=2 x dp=2 with ZeRO-3 on a model built on the meta device, which holds no
 parameter bytes at all between ``parallelize`` and the first step and then initializes only
 its stages' parameters, to the values a pp=1 parallelize gives. The tied
-embedding and head (first and last stage) keep equal values and eager's gradients; DCP saves
-the whole model from the ranks that hold each part and loads it back.
+embedding and head (first and last stage) keep equal values and eager's gradients; every
+rank's state dict holds only its part and together they hold the whole model. In the pp=2 x
+dp=2 case (the parts split over both axes, the tied embedding and head on two ranks) DCP saves
+the whole model from the ranks that hold each part and loads it back into a fresh pipeline;
+the other cases skip that round trip (a second compile on every rank).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ pytestmark = pytest.mark.slow
 
 
 def make_gpt() -> GPT:
-    """The zoo GPT's sizes with 8 blocks, so every stage of pp=4 holds two."""
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, d_model=32), seed=5)
+    """The zoo GPT's sizes with 4 blocks: one per stage at pp=4 and of DualPipeV's four
+    stages at pp=2, two per stage of 1F1B at pp=2 (Dynamo's trace grows with the blocks)."""
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, d_model=32), seed=5)
 
 
 def _storage_bytes(tensors) -> int:
@@ -65,7 +69,9 @@ def _expected_bytes(plan, position: int, dp: int) -> int:
 
 
 def memory_job(rank: int, world: int, pp: int, schedule: str, meta: bool,
-               directory: str) -> dict:
+               directory: str | None) -> dict:
+    """One rank's training steps and what it holds; with a ``directory``, the DCP round
+    trip too."""
     torch._dynamo.reset()
     initial = None
     if meta:  # initialized module by module (reset_parameters), not by the GPT's own init
@@ -107,6 +113,8 @@ def memory_job(rank: int, world: int, pp: int, schedule: str, meta: bool,
            "units": [s.modules for s in plan.stages],
            "full": zeroc.full_state_dict(model), "keys": sorted(model.state_dict()),
            "initial": initial, "before": before}
+    if directory is None:
+        return out
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -139,25 +147,27 @@ def _check(results: list[dict], pp: int) -> None:
     for step, want in enumerate(eager_losses):  # each dp rank's loss is its rows' mean
         got = sum(out["losses"][step] for out in results) / len(results)
         assert abs(got - want) < 1e-5, (step, got, want)
-    full, reloaded = results[0]["full"], results[0]["reloaded"]
+    full, reloaded = results[0]["full"], results[0].get("reloaded")
     assert_tensors_match(eager_model.state_dict(), full, "full_state_dict after 2 steps")
-    for key, value in full.items():
-        assert torch.equal(reloaded[key], value), f"DCP round trip differs at {key}"
+    if reloaded is not None:
+        for key, value in full.items():
+            assert torch.equal(reloaded[key], value), f"DCP round trip differs at {key}"
     keys = [set(out["keys"]) for out in results]
     assert set().union(*keys) == set(eager_model.state_dict()), "DCP would miss a key"
     assert all(k < set(eager_model.state_dict()) for k in keys), "a rank saves everything"
 
 
-def test_pp2_dualpipev_ranks_hold_their_stages(tmp_path) -> None:
-    results = run_ranks(memory_job, 2, 2, "dualpipev", False, str(tmp_path), timeout=300)
+def test_pp2_dualpipev_ranks_hold_their_stages() -> None:
+    results = run_ranks(memory_job, 2, 2, "dualpipev", False, None, timeout=300)
     _check(results, 2)
 
 
-def test_pp4_1f1b_ranks_hold_their_stages(tmp_path) -> None:
-    results = run_ranks(memory_job, 4, 4, "1f1b", False, str(tmp_path), timeout=400)
+def test_pp4_1f1b_ranks_hold_their_stages() -> None:
+    results = run_ranks(memory_job, 4, 4, "1f1b", False, None, timeout=400)
     _check(results, 4)
 
 
 def test_pp2_dp2_zero3_meta_model_ranks_hold_their_stages(tmp_path) -> None:
     results = run_ranks(memory_job, 4, 2, "1f1b", True, str(tmp_path), timeout=400)
+    assert "reloaded" in results[0]
     _check(results, 2)
