@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from zeroc.passes.base import PassContext, PassResult
 from zeroc.passes.node_builder import NodeBuilder
-from zeroc.passes.zero import param_name
+from zeroc.passes.zero_buckets import param_name
 from zeroc.passes.zero_recompute import ZERO_AC_GRAPH_ID
 from zeroc.runtime.secondary_shard import (
     SECONDARY_SHARD,

@@ -52,7 +52,7 @@ def test_kept_collectives_and_their_checks(monkeypatch: pytest.MonkeyPatch) -> N
     """The check's switch names a one-rank dp group and lowers its marks only inside its
     block; a kept model's collectives must hold gathers and reductions (int8 ones when
     quantized); a pipeline position passes with at most read_rows' one wait per step."""
-    import zeroc.passes.zero as zero_pass
+    import zeroc.passes.zero_buckets as zero_pass
     from zeroc.runtime import mesh as mesh_module
 
     before = (mesh_module._from_device_mesh, zero_pass.COLLECTIVE_MIN_RANKS)

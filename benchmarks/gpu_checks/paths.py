@@ -6,7 +6,7 @@ only reshape). So each section runs the paths another way:
 
 - ``collectives``: the world-1 group (NCCL on a GPU, gloo on the CPU) with zeroc told to keep
   its collectives (``kept_collectives``: the mesh names the one-rank data-parallel group, as it
-  names a larger one, and ``zeroc.passes.zero.COLLECTIVE_MIN_RANKS`` is 1, so its ZeRO marks
+  names a larger one, and ``zeroc.passes.zero_buckets.COLLECTIVE_MIN_RANKS`` is 1, so its ZeRO marks
   are lowered like any group's). ZeRO-3 then gathers every parameter with
   ``all_gather_into_tensor(_coalesced)`` and reduce-scatters every gradient (gloo: the
   all-to-all zeroc uses there), each collective moving what a group of one moves, which is
@@ -72,7 +72,7 @@ def kept_collectives(device_type: str) -> Iterator[None]:
     collectives: the mesh names that group (``dp_group_name``, ``""`` at dp = 1 otherwise)
     and the ZeRO pass lowers marks over groups of one rank. The built mesh is not cached
     beyond the block."""
-    import zeroc.passes.zero as zero_pass
+    import zeroc.passes.zero_buckets as zero_pass
     from zeroc.runtime import mesh as mesh_module
 
     original, minimum = mesh_module._from_device_mesh, zero_pass.COLLECTIVE_MIN_RANKS
