@@ -135,7 +135,10 @@ def _collectives_then_value_read(call) -> None:
 def test_a_model_built_on_the_cpu_moves_to_the_groups_device(zero: int) -> None:
     """The README's loop on a GPU node: the model is built on the CPU, then parallelized on a
     CUDA group. Its parameters are broadcast and sharded on the group's device (a CPU tensor
-    on the broadcast would raise here), and its buffers move there too, as FSDP2 moves them."""
+    on the broadcast would raise here), and its buffers move there too, as FSDP2 moves them.
+    ``parallelize`` is called as the user calls it (no ``planned_world=``): inside the fake
+    world it plans there and runs the model's own initialization. The loop then runs as
+    written: compile, a step, clipping, the optimizer, all on the device."""
     with fake_world(0, 2, 1, "cuda"):
         model = _gpt()  # the fake world's tensors: made on the CPU
         model.register_buffer("scale", torch.ones(3))
@@ -146,6 +149,41 @@ def test_a_model_built_on_the_cpu_moves_to_the_groups_device(zero: int) -> None:
         assert check.checked > before  # the broadcasts ran, on the device
         assert {p.device for p in model.parameters()} == {torch.device("cuda", 0)}
         assert {b.device for b in model.buffers()} == {torch.device("cuda", 0)}
+        _train_one_step(model)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_meta_model_with_init_fn_runs_the_loop_on_the_device(pp: int) -> None:
+    """A model built on meta and initialized by the user's ``init_fn`` on the planned GPU: the
+    initializer runs (once on meta as a dry run, then on the device; at pp=2 only for this
+    rank's stages, after the split, under rank 0's generator state), then the loop."""
+    seen: list[torch.device] = []
+
+    def init_fn(module: torch.nn.Module) -> None:
+        for param in module.parameters(recurse=False):
+            seen.append(param.device)
+            torch.nn.init.normal_(param, std=0.02)
+
+    with fake_world(0, 2, pp, "cuda"):
+        with torch.device("meta"):
+            model = _gpt()
+        zeroc.parallelize(model, zero=3, pp=pp, init_fn=init_fn)
+        assert torch.device("cuda", 0) in seen
+        _train_one_step(model)
+
+
+def _train_one_step(model: torch.nn.Module) -> None:
+    """The README's loop body on a planned rank: every tensor it makes stays on the device."""
+    compiled = torch.compile(model, backend="zeroc")
+    optimizer = torch.optim.AdamW(model.parameters())
+    args, kwargs = _fake_inputs(_batch(), torch.device("cuda", 0))
+    loss = loss_of(compiled(*args, **kwargs))
+    loss.backward()
+    norm = zeroc.clip_grad_norm_(model, 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert loss.device == norm.device == torch.device("cuda", 0)
+    assert {s["exp_avg"].device for s in optimizer.state.values()} == {torch.device("cuda", 0)}
 
 
 def test_a_cpu_batch_where_the_group_is_on_cuda_is_refused_naming_the_input() -> None:

@@ -60,7 +60,7 @@ from zeroc.frontend.trace_settings import (
 )
 from zeroc.runtime.errors import OptionError
 from zeroc.runtime.layout import MixedPrecision, ParamShard, ZeroLayout
-from zeroc.runtime.mesh import Mesh, build_mesh, group_device, host_dp_mesh
+from zeroc.runtime.mesh import Mesh, build_mesh, group_device, host_dp_mesh, is_fake_group
 from zeroc.runtime.torch_compat import tree_map
 from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import (
@@ -177,7 +177,9 @@ def _broadcast_from_dp_root(tensor: torch.Tensor, mesh: Mesh,
                             planned: PlannedWorld | None) -> torch.Tensor:
     # The caller reads only its values (``_shard`` copies them out), so only a tensor that is
     # broadcast into needs to be detached first.
-    if mesh.dp > 1 and (planned is None or not planned.simulated):  # planning: no values
+    # A planned rank's fake tensors hold no values: the broadcast is skipped, except for the
+    # model as the user built it (``skip_init=False``), whose broadcast the device rule checks.
+    if mesh.dp > 1 and (planned is None or not planned.simulated or not planned.skip_init):
         tensor = tensor.detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
@@ -239,7 +241,9 @@ def parallelize(
     ``model._zeroc_layout`` (a ``ZeroLayout``); each flat buffer the compiled graphs read
     carries the same ``_zeroc_layout`` and its own ``ParamShard`` as ``_zeroc_param``.
     ``planned_world``: only ``zeroc.world`` passes it (a ``PlannedWorld``: planning on fake
-    tensors); kept as ``ZeroLayout.planned`` for the compile path and the executors.
+    tensors); kept as ``ZeroLayout.planned`` for the compile path and the executors. On a
+    fake process group without it, the planned world is that group's (the user's own script
+    run in ``zeroc.world.fake_world``).
 
     ``layout="auto"`` takes ``zero`` and ``pp`` from the last ``zeroc.tune`` of this model
     structure on this world and device (in ``cache_dir``, default ``~/.cache/zeroc``; one
@@ -257,6 +261,12 @@ def parallelize(
     _validate(model, zero)
     check_offload(offload, zero, pp)
     _check_process_group(mesh)
+    if planned_world is None and dist.is_initialized() and is_fake_group(dist.group.WORLD):
+        # A fake process group (``zeroc.world.fake_world``) is a planned world: the model as
+        # the user built it (CPU, or meta with ``init_fn``) plans there, its own
+        # initialization run (``skip_init=False``), as on the job's ranks.
+        planned_world = PlannedWorld(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                     pp=pp, device=group_device(), skip_init=False)
     shared = planned_world.shared if planned_world is not None else None
     if shared is None or not shared.meta_initializable:
         check_meta_initializable(model, init_fn)
@@ -275,7 +285,7 @@ def parallelize(
     modules: dict[nn.Module, list[str]] = {}
     # A meta model in a pipeline keeps no parameter until the split is known.
     deferred = (DeferredInit.capture(model, device, mesh_, init_fn)
-                if mesh_.pp > 1 and has_meta_parameters(model) and not skip_init
+                if mesh_.pp > 1 and has_meta_parameters(model) and planned_world is None
                 else None)  # planning: fake tensors hold nothing to defer
     for path, module in list(model.named_modules()):
         fresh = materialize_direct(model, module, device, entries, init_fn, skip_init)
