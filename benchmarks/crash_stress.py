@@ -6,10 +6,13 @@ the shaped link), with a wall-clock limit. A launch ends ``ok`` (exit 0), ``cras
 killed by SIGSEGV, SIGABRT, SIGBUS or SIGILL, or glibc's ``malloc(): ...`` / ``free(): ...``
 / ``double free`` / ``corrupted`` messages in its output), ``timeout`` or ``failed`` (any other
 exit). ``--malloc-check`` runs the launches with ``MALLOC_CHECK_=3`` and
-``MALLOC_PERTURB_=165``, so glibc checks every free and fills freed memory, which turns a late
-write into a freed buffer into a crash or a wrong loss. The demo prints the loss next to
-eager's; a launch whose last step's zeroc loss differs from eager's by more than 1e-4 counts
-as ``wrong``.
+``MALLOC_PERTURB_=165`` (glibc 2.34 and later read ``MALLOC_CHECK_`` only with
+``libc_malloc_debug.so`` preloaded, which this script does where the library exists), so glibc
+checks every free and fills freed memory, which turns a late write into a freed buffer into a
+crash or a wrong loss. Every launch runs with Python's fault handler on, so a crash's log shows
+each thread's Python stack at the signal: where the process was when the heap broke. The demo
+prints the loss next to eager's; a launch whose last step's zeroc loss differs from eager's by
+more than 1e-4 counts as ``wrong``.
 
     ../shared/tools/slowlink --rate 1gbit -- \\
         python benchmarks/crash_stress.py --launches 50 --layouts zero1,zero2,zero3,pp2dp2
@@ -40,7 +43,8 @@ LAYOUTS = {
     "pp2dp2": ["--nproc", "4", "--pp", "2", "--zero", "3", "--schedule", "dualpipev"],
 }
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL}
-HEAP_WORDS = re.compile(r"malloc\(\)|free\(\)|double free|corrupted|tcache|Segmentation fault")
+HEAP_WORDS = re.compile(
+    r"malloc\(\)|free\(\)|double free|corrupted|tcache|Segmentation fault|Fatal Python error")
 # The demo's per-step line: the step, zeroc's loss, eager's loss.
 LOSS_LINE = re.compile(r"^\s*(\d+)\s+([0-9.]+)\s+([0-9.]+)", re.MULTILINE)
 
@@ -58,10 +62,24 @@ def classify(code: int, output: str) -> str:
     return "ok"
 
 
+def _malloc_debug_library() -> str | None:
+    """glibc's malloc checker (``MALLOC_CHECK_`` is a no-op without it since glibc 2.34)."""
+    for folder in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64",
+                   "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu"):
+        path = os.path.join(folder, "libc_malloc_debug.so.0")
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def launch(layout: str, args: argparse.Namespace) -> tuple[str, float, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash prints every thread's Python stack
     if args.malloc_check:
         env.update(MALLOC_CHECK_="3", MALLOC_PERTURB_="165")
+        debug = _malloc_debug_library()
+        if debug:
+            env["LD_PRELOAD"] = ":".join(filter(None, [debug, env.get("LD_PRELOAD", "")]))
     command = [sys.executable, "-m", "zeroc", "demo", "--device", "cpu", "--steps",
                str(args.steps), "--width", str(args.width), "--layers", str(args.layers),
                *LAYOUTS[layout]]
