@@ -21,7 +21,7 @@ from zeroc.runtime.mesh import Mesh
 from zeroc.runtime.world import PlannedWorld
 from zeroc.runtime.zero_ops import local_rows_for, row_numel, rows_per_shard
 
-__all__ = ["MixedPrecision", "ParamShard", "ZeroLayout"]
+__all__ = ["MixedPrecision", "ParamShard", "ZeroLayout", "mixed_precision_policy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,3 +181,14 @@ class ZeroLayout:
                    * getattr(torch, r.dtype).itemsize
                    for r in self.params if r.sharded and r.requires_grad)
 
+
+def mixed_precision_policy(mixed_precision: Any) -> MixedPrecision | None:
+    """``parallelize``'s ``mixed_precision`` option as a ``MixedPrecision`` (or None)."""
+    if mixed_precision is None or isinstance(mixed_precision, MixedPrecision):
+        return mixed_precision
+    if mixed_precision == "bf16":
+        return MixedPrecision(param_dtype=torch.bfloat16)
+    raise ValueError(
+        f"mixed_precision={mixed_precision!r} is not allowed: use None, 'bf16' or "
+        "zeroc.MixedPrecision(param_dtype=..., reduce_dtype=..., output_dtype=...)"
+    )

@@ -28,8 +28,7 @@ rank's rows are kept, so a rank never holds the whole model. On every path each 
 broadcast from the first rank of its data-parallel group, so all replicas start identical.
 With ``pp > 1`` a meta model keeps no parameter at all here: its values are computed again
 when the pipeline compiles, for this rank's stages only (``zeroc.sharding.deferred_init``); and
-every
-pipeline rank, meta or not, frees the parameters of other ranks' stages then
+every pipeline rank, meta or not, frees the parameters of other ranks' stages then
 (``zeroc.sharding.stage_holding``).
 
 ``mixed_precision``: ``zeroc.MixedPrecision(param_dtype=..., reduce_dtype=..., output_dtype=...)``
@@ -58,8 +57,7 @@ from zeroc.frontend.trace_settings import (
     install_output_capture_hooks,
     mark_batch_dynamic,
 )
-from zeroc.runtime.errors import OptionError
-from zeroc.runtime.layout import MixedPrecision, ParamShard, ZeroLayout
+from zeroc.runtime.layout import MixedPrecision, ParamShard, ZeroLayout, mixed_precision_policy
 from zeroc.runtime.mesh import Mesh, build_mesh, group_device, host_dp_mesh, is_fake_group
 from zeroc.runtime.torch_compat import tree_map
 from zeroc.runtime.world import PlannedWorld
@@ -87,6 +85,7 @@ from zeroc.sharding.sharded_params import (
     set_requires_gradient_sync,
 )
 from zeroc.sharding.stage_holding import FLAT_SHARDED_ATTR, install_state_dict_hooks
+from zeroc.sharding.tune_cache import tuned_layout
 from zeroc.sharding.whole_rows import after_optimizer_step, refresh_after_load
 
 __all__ = ["parallelize", "layout_of", "MIXED_PRECISION_MODES", "MixedPrecision"]
@@ -101,17 +100,6 @@ MIXED_PRECISION_MODES = (None, "bf16")
 def layout_of(model: nn.Module) -> ZeroLayout | None:
     """The layout ``parallelize`` recorded on ``model``, or ``None`` if it was not called."""
     return getattr(model, LAYOUT_ATTR, None)
-
-
-def _policy(mixed_precision: Any) -> MixedPrecision | None:
-    if mixed_precision is None or isinstance(mixed_precision, MixedPrecision):
-        return mixed_precision
-    if mixed_precision == "bf16":
-        return MixedPrecision(param_dtype=torch.bfloat16)
-    raise ValueError(
-        f"mixed_precision={mixed_precision!r} is not allowed: use None, 'bf16' or "
-        "zeroc.MixedPrecision(param_dtype=..., reduce_dtype=..., output_dtype=...)"
-    )
 
 
 def _validate(model: nn.Module, zero: int) -> None:
@@ -256,7 +244,7 @@ def parallelize(
     tuned: tuple[tuple[str, Any], ...] = ()
     tuned_from, tuned_inputs = "", ()
     if layout is not None:
-        zero, pp, tuned, tuned_from, tuned_inputs, offload = _tuned_layout(
+        zero, pp, tuned, tuned_from, tuned_inputs, offload = tuned_layout(
             model, layout, cache_dir)
     _validate(model, zero)
     check_offload(offload, zero, pp)
@@ -272,7 +260,7 @@ def parallelize(
         check_meta_initializable(model, init_fn)
         if shared is not None:  # the positions of one world plan copies of one model
             shared.meta_initializable = True
-    policy = _policy(mixed_precision)
+    policy = mixed_precision_policy(mixed_precision)
     # where the model is made: the planned world's device, else the process group's
     device = planned_world.device if planned_world is not None else group_device()
     skip_init = planned_world is not None and planned_world.skip_init
@@ -354,30 +342,6 @@ def parallelize(
         setattr(sharded.flat, FLAT_SHARDED_ATTR, sharded)
         setattr(sharded.flat, STATE_ATTR, state)  # a pipelined step reads the sync switch
     return model
-
-
-def _tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
-                  ) -> tuple[int, int, tuple[tuple[str, Any], ...], str, tuple, str | None]:
-    """``(zero, pp, options, source file, input shapes, offload)`` of the tuned layout for ``model``
-    here: one made for this model structure, world, device and torch and zeroc versions."""
-    from zeroc.sharding.tune_cache import layout_key, layout_path, read_layout, read_on_rank0
-
-    if layout != "auto":
-        raise OptionError(f"zeroc.parallelize: layout={layout!r} is not allowed; use "
-                          "layout='auto' (the zeroc.tune result) or None (zero= and pp=)")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = layout_path(cache_dir, model, world, device)
-    found = read_on_rank0(read_layout, path, layout_key(model, world, device))
-    if found is None:
-        raise OptionError(
-            f"zeroc.parallelize: layout='auto' but no tuned layout for this model on {world} "
-            f"rank(s) of {device} in {os.path.dirname(path)} (or a refused one: see the log): "
-            "run zeroc.tune(model, example_inputs) (or python -m zeroc tune) first, with the "
-            "same cache_dir")
-    best, source, inputs = found
-    log.info("zeroc.parallelize: tuned layout %s from %s", best.label(), source)
-    return best.zero, best.pp, best.options, source, inputs, best.offload
 
 
 def _shard(param: nn.Parameter, full: torch.Tensor, zero: int, mesh: Mesh,

@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroc.frontend.config import check_option
@@ -45,9 +46,11 @@ from zeroc.runtime.cached_files import (
     text,
     write_record,
 )
+from zeroc.runtime.errors import OptionError
 from zeroc.sharding.layout_candidate import Candidate, model_key
 
 __all__ = ["TUNABLE_OPTIONS", "cache_path", "layout_key", "layout_match", "layout_path",
+           "tuned_layout",
            "read_cached", "read_layout", "read_on_rank0", "result_key", "tuned_options_for",
            "write_cached"]
 
@@ -259,3 +262,26 @@ def layout_match(layout: Any) -> str:
         return f"{text_}; input shapes {shapes} matched"
     return (f"{text_}; input shapes differ (tuned {shapes}): the tuned compile options were "
             "not applied")
+
+
+def tuned_layout(model: nn.Module, layout: str, cache_dir: str | None
+                 ) -> tuple[int, int, tuple[tuple[str, Any], ...], str, tuple, str | None]:
+    """``(zero, pp, options, source file, input shapes, offload)`` of the tuned layout for
+    ``model`` here (``zeroc.parallelize(layout="auto")``): one made for this model structure,
+    world, device and torch and zeroc versions."""
+    if layout != "auto":
+        raise OptionError(f"zeroc.parallelize: layout={layout!r} is not allowed; use "
+                          "layout='auto' (the zeroc.tune result) or None (zero= and pp=)")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = layout_path(cache_dir, model, world, device)
+    found = read_on_rank0(read_layout, path, layout_key(model, world, device))
+    if found is None:
+        raise OptionError(
+            f"zeroc.parallelize: layout='auto' but no tuned layout for this model on {world} "
+            f"rank(s) of {device} in {os.path.dirname(path)} (or a refused one: see the log): "
+            "run zeroc.tune(model, example_inputs) (or python -m zeroc tune) first, with the "
+            "same cache_dir")
+    best, source, inputs = found
+    log.info("zeroc.parallelize: tuned layout %s from %s", best.label(), source)
+    return best.zero, best.pp, best.options, source, inputs, best.offload
