@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated subset of {', '.join(gpu_checks.SECTION_NAMES)} (default: all)")
     add("--time-budget-s", type=float, default=gpu_checks.TOTAL_BUDGET_S,
         help="overall budget: a section starts only while the least time it needs is left "
-        f"(default {gpu_checks.TOTAL_BUDGET_S:g}; 0: no limit)")
+        f"(default {gpu_checks.TOTAL_BUDGET_S:g}; 0: no limit, for the sections too)")
 
     def sized(name: str, kind: type, what: str) -> None:
         key = name.replace("-", "_")

@@ -4,10 +4,11 @@ A ``Section`` is a name, a function ``run(ctx, budget) -> dict`` of figures, its
 seconds and the least time it needs to be worth starting. ``run_sections`` runs them in order
 against one overall ``Budget``: a section starts only when it is selected, the device it needs
 is there and at least ``min_s`` of the overall budget are left; it then gets
-``min(budget_s, overall seconds left)`` and is expected to stop starting new work once that is
-spent (a compile already under way cannot be cut short, so a section may end a little past
-it: ``over_budget`` says so). An exception ends only its own section: its type, message and
-traceback are recorded and the next section runs. A section raises ``SkipSection`` to say it
+``min(budget_s, overall seconds left)`` (no limit when the overall budget has none) and is
+expected to stop starting new work once that is spent (a compile already under way cannot be
+cut short, so a section may end a little past it: ``over_budget`` says so). An exception
+ends only its own section: its type, message and traceback are recorded and the next section
+runs. A section raises ``SkipSection`` to say it
 cannot run here (with the reason); figures with ``"ok": False`` mark a check that failed.
 
 Each section's record: ``status`` (``ok``, ``check_failed``, ``error`` or ``skipped``),
@@ -156,7 +157,10 @@ def run_sections(sections: list[Section], ctx: Any, overall: Budget, selected: I
                                      "budget_s": section.budget_s, "wall_s": 0.0,
                                      "over_budget": False, "figures": {}}
             continue
-        budget = Budget(min(section.budget_s, overall.left()), overall.clock)
+        # No overall limit (``--time-budget-s 0``): no section limit either, so every
+        # variant of a section runs however slow the machine is (the CPU smoke tests).
+        limit = min(section.budget_s, overall.left()) if overall.seconds > 0 else 0.0
+        budget = Budget(limit, overall.clock)
         logger.info("section %s: %s (budget %.0f s)", section.name, section.doc,
                     budget.seconds)
         records[section.name] = record = run_section(section, ctx, budget)
