@@ -2,8 +2,9 @@
 
 The budget and skip logic, failure capture, the JSON, the MFU and loss arithmetic, the
 sync-warning counter (fed made-up warnings), the memory and kernel summaries, the exit
-without CUDA (every section skipped, a JSON saying so) and a tiny --cpu-smoke run of every
-section a CPU can run. No test checks a wall-clock time.
+without CUDA (every section skipped, a JSON saying so, run in this process) and a tiny
+--cpu-smoke run of every section a CPU can run (one block, one timed round: ``SMALL``), and of
+the train section with Inductor too. No test checks a wall-clock time.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ def _package():
     return _load_script().gpu_checks
 
 
+# The smoke runs' model and steps, smaller than the --cpu-smoke defaults: one block (the
+# pipeline section's child takes 4 whatever it is given), one timed train round and no
+# warm-up round, and 6 probe steps (the pipeline counts syncs on steps 3-5). No time budget:
+# on a loaded machine a slow Inductor compile must not leave zeroc's variant skipped.
+SMALL = ("--n-layer", "1", "--steps", "1", "--warmup", "0", "--probe-steps", "6",
+         "--time-budget-s", "0")
+
+
 def _run(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["OMP_NUM_THREADS"] = "1"
@@ -71,8 +80,12 @@ def test_help_documents_every_flag() -> None:
 def test_without_cuda_every_section_is_skipped(tmp_path) -> None:
     """Without CUDA the script exits 0 and writes a JSON where every section is skipped
     because there is no GPU, with the environment."""
-    result = _run(["--out", str(tmp_path / "out")], str(tmp_path), 100)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    threads = torch.get_num_threads()
+    try:  # in this process: a child would spend most of its time importing torch
+        status = _load_script().main(["--out", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
     with open(tmp_path / "out" / "gpu_check.json") as handle:
         payload = json.load(handle)
     assert payload["status"] == "skipped" and payload["ok"] is None
@@ -124,6 +137,9 @@ def test_budget_and_skip_logic() -> None:
     # Without a limit nothing is skipped for time; without CUDA (and not a smoke run) all is.
     unlimited = runner.Budget(0, lambda: now[0])
     assert unlimited.left() == math.inf and not unlimited.spent(1e9)
+    runner.run_sections([sections[0]], "a", unlimited, "a", cuda=False, smoke=True,
+                        cleanup=lambda: None)
+    assert seen["a"] == 0  # no overall limit: the section has none either
     assert runner.skip_reason(sections[2], "c", False, True, unlimited) is None
     assert "no CUDA device" in runner.skip_reason(sections[0], "a", False, False, unlimited)
 
@@ -357,7 +373,8 @@ def test_cpu_smoke_runs_every_cpu_section(tmp_path, monkeypatch: pytest.MonkeyPa
     threads = torch.get_num_threads()
     try:
         status = _load_script().main(["--cpu-smoke", "--hardware", "h200", "--out",
-                                      str(tmp_path), "--cache-dir", str(tmp_path / "cache")])
+                                      str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+                                      *SMALL])
     finally:
         torch.set_num_threads(threads)
     assert status == 0
@@ -386,11 +403,13 @@ def test_cpu_smoke_runs_every_cpu_section(tmp_path, monkeypatch: pytest.MonkeyPa
 def test_cpu_smoke_with_inductor(tmp_path) -> None:
     """The train section with Inductor too (slow C++ compiles on the CPU)."""
     result = _run(["--cpu-smoke", "--sections", "train", "--configs", "eager,inductor,zeroc",
-                   "--json", str(tmp_path / "g.json")], str(tmp_path), 560)
+                   "--json", str(tmp_path / "g.json"), *SMALL], str(tmp_path), 560)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     variants = json.loads((tmp_path / "g.json").read_text())["sections"]["train"]["figures"][
         "variants"]
     assert set(variants) == {"eager", "inductor", "zeroc"}
+    eager = variants["eager"]["losses"]
     for name, v in variants.items():
-        assert v["ran"] and v["loss_comparison"]["agree"], name
+        assert v["ran"] and v["loss_comparison"]["agree"], (
+            name, v["loss_comparison"], v["losses"], eager, v.get("error"), v.get("skipped"))
         assert v["over_inductor"] > 0

@@ -1,12 +1,14 @@
 """``kernels="inductor"``: Inductor compiles every graph zeroc produces, after zeroc's passes.
 
-- Parity: the zoo trains as eager on one process; the zoo GPT trains as single-process eager on
-  the global batch at ZeRO 0-3 on 2 gloo ranks and at pp=2 with DualPipeV (forward, backward,
-  I/W halves and F&B graphs all run through Inductor).
+- Parity: the zoo but its GPT trains as eager on one process; the zoo GPT (the same model and
+  seed) trains as single-process eager on the global batch at ZeRO 0-3 on 2 gloo ranks
+  (``test_zero_stages_on_two_ranks_equal_eager``, its case on one process) and at pp=2 with
+  DualPipeV (forward, backward, I/W halves and F&B graphs all run through Inductor).
 - Collective placement: Inductor's output code issues and waits every ZeRO gather and gradient
   reduction in zeroc's order, with the same matmuls between issue and wait (FileCheck and the
   order read back from the code), and as many of each as the plan lists.
-- The plan's kernels table lists Inductor's kernels (from its output code).
+- The plan's kernels table lists Inductor's kernels (from its output code), on a one-block
+  GPT (as the no-grad call: each block is more Inductor kernels to compile, C++ on the CPU).
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ INDUCTOR = {"kernels": "inductor"}
 STEPS = 2
 
 
+def _gpt1() -> GPT:
+    """The tiny GPT with one block."""
+    torch.manual_seed(0)
+    return GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=1))
+
+
 def _records(compiled: torch.nn.Module) -> list:
     return getattr(wrapper_of(compiled), SESSION_ATTR).records()
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(ZOO))
+@pytest.mark.parametrize("name", [name for name in ZOO if name != "gpt"])
 def test_zoo_trains_like_eager(name: str) -> None:
     """Two AdamW steps: losses, gradients and parameters equal eager's (fp32 tolerance)."""
     eager = ZOO[name]()
@@ -67,8 +75,7 @@ def test_zoo_trains_like_eager(name: str) -> None:
 
 
 def test_plan_lists_inductor_kernels_from_output_code() -> None:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.tiny())
+    model = _gpt1()
     compiled = torch.compile(model, backend="zeroc", options={**INDUCTOR, "fused_loss": False})
     tokens = torch.randint(0, 64, (2, 16))
     compiled(tokens, tokens).backward()
@@ -86,8 +93,7 @@ def test_plan_lists_inductor_kernels_from_output_code() -> None:
 
 
 def test_no_grad_call_runs_inductors_inference_graph() -> None:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.tiny())
+    model = _gpt1()
     compiled = torch.compile(model, backend="zeroc", options=INDUCTOR)
     tokens = torch.randint(0, 64, (2, 16))
     with torch.no_grad():

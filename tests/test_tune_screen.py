@@ -4,10 +4,14 @@ plans, and ``zeroc.tune(world=64)`` on a Llama-7B-shaped model.
 The screen (``zeroc.tuning.tune_screen``) models each candidate from one fake training step of the
 plain model (``zeroc.world.model_profile``); the tuner plans only the screen's best in full. These
 tests check the profile against torch's own counts, the screen's model state and ranking
-against full plans of the same candidates, and the whole search at world 64.
+against full plans of the same candidates, and the whole search at world 64. The tiny GPT's
+checks use one block (``_tiny``): the figures they compare do not depend on how many.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from models.gpt import GPT, GPTConfig
 from torch.utils.flop_counter import FlopCounterMode
 
 import zeroc
+import zeroc.tuning.tune_world as tune_world
 from zeroc.runtime.cost.hardware import get_profile
 from zeroc.runtime.errors import OptionError
 from zeroc.tuning.tune_result import spearman
@@ -37,6 +42,24 @@ def _llama(layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab:
         return transformers.LlamaForCausalLM(config)
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config)
+
+
+def _tiny() -> GPT:
+    """The tiny GPT with one block (Dynamo's trace, and so each plan, grows with the blocks)."""
+    return GPT(dataclasses.replace(GPTConfig.tiny(), n_layer=1), seed=0)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+@functools.cache
+def _zero3_peak(offload: str | None) -> int:
+    """The largest planned peak of ``_tiny`` at world 4, ZeRO-3 on cuda (planned once for the
+    two tests that size a device from it)."""
+    tokens = _tokens()
+    return max(m.peak for m in plan_world(_tiny(), (tokens, tokens), world=4, zero=3,
+                                          device="cuda", offload=offload).memory)
 
 
 class NoLoss(torch.nn.Module):
@@ -83,8 +106,8 @@ def test_profile_refuses_a_model_without_a_loss() -> None:
 def test_screened_model_state_is_the_planned_one(zero: int) -> None:
     """Without a pipeline the screen's parameters, gradients and AdamW state per rank are
     exactly what a full plan measures on its fake tensors (zeroc pads no flat here)."""
-    model = GPT(GPTConfig.tiny(), seed=0)
-    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = _tiny()
+    tokens = _tokens()
     profile = profile_model(model, (tokens, tokens))
     candidate = Candidate(zero, 1, (("fused_loss", True), ("partitioner", "default")))
     screened = screen(profile, candidate, 4, get_profile("h100-sxm"))
@@ -97,14 +120,14 @@ def test_screened_model_state_is_the_planned_one(zero: int) -> None:
 @pytest.mark.slow
 def test_screen_ranks_layouts_as_their_plans_do() -> None:
     """Over pipelines of a small Hugging Face Llama at world 8, the screen orders step time
-    and peak memory as full plans do, and its peaks are within 40% of the planned ones."""
+    and peak memory as full plans do, and its peaks are within 40% of the planned ones. Four
+    layouts: pp 2 and 4, 1F1B and DualPipeV, 2 to 8 micro-batches (each plan costs seconds)."""
     model = _llama(layers=4, hidden=256, ffn=704, heads=4, kv_heads=4, vocab=2000, seq=128)
     tokens = torch.zeros(8, 128, dtype=torch.long)
     inputs = {"input_ids": tokens, "labels": tokens}
     hardware = get_profile("h100-sxm")
     profile = profile_model(model, inputs, "cuda")  # the device the plans are for
-    layouts = [(2, "1f1b", 2), (2, "1f1b", 8), (2, "dualpipev", 4), (4, "1f1b", 4),
-               (4, "1f1b", 8), (2, "dualpipev", 8)]
+    layouts = [(2, "1f1b", 2), (2, "1f1b", 8), (2, "dualpipev", 4), (4, "1f1b", 8)]
     screened, planned = [], []
     for pp, schedule, microbatches in layouts:
         candidate = Candidate(3, pp, tuple(sorted({
@@ -123,13 +146,21 @@ def test_screen_ranks_layouts_as_their_plans_do() -> None:
 
 
 @pytest.mark.slow
-def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> None:
+def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``zeroc.tune(world=64, device="cuda", hardware="h100-sxm")`` on a Llama-7B-shaped model
     on the meta device, at a batch of 8 x 4096 tokens: every candidate screened, the best
     planned in full, the winner the best planned one that fits, its screened peak within 10%
     of its planned one, and why it wins. Attention plans as a GPU runs it (a fused kernel that
     keeps no score matrix: ``tests/test_planned_attention.py``); planned as the CPU's math
-    kernel, no layout fits."""
+    kernel, no layout fits. The screen's check reuses the tuner's own profile of the model."""
+    profiles = []
+
+    def profiled(*args, **kwargs):
+        profiles.append(profile_model(*args, **kwargs))
+        return profiles[-1]
+
+    monkeypatch.setattr(tune_world, "profile_model", profiled)
     model = _llama(layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000,
                    seq=4096)
     tokens = torch.zeros(8, 4096, dtype=torch.long)
@@ -147,8 +178,9 @@ def test_tune_ranks_a_7b_layout_for_world_64_without_the_cluster(tmp_path) -> No
     best = min(fitting, key=lambda t: t.estimated_s)
     assert result.best == best.candidate and best.peak_bytes <= capacity
     assert best.candidate.pp > 1  # one GPU cannot hold a 7B step of 8 x 4096 tokens
-    screened = screen(profile_model(model, inputs, "cuda"), best.candidate, 64,
-                      get_profile("h100-sxm")).peak_bytes
+    (profile,) = profiles  # profile_model(model, inputs, "cuda"), as the tuner made it
+    assert profile.rows == 8
+    screened = screen(profile, best.candidate, 64, get_profile("h100-sxm")).peak_bytes
     assert 0.9 < screened / best.peak_bytes < 1.1, (best.candidate.label(), screened,
                                                     best.peak_bytes)
     assert any(t.rejected.startswith("needs") for t in result.trials)
@@ -168,16 +200,15 @@ def test_planning_stops_when_no_planned_candidate_fits(tmp_path) -> None:
     """A device the screen thinks large enough but the plans do not: planning stops after
     ``measure_best`` once the budget is spent, and the error names the smallest planned
     peak."""
-    model = GPT(GPTConfig.tiny(), seed=0)
-    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = _tiny()
+    tokens = _tokens()
     search = {"pp": [1], "zero": [3], "fused_loss": [True], "partitioner": ["min_cut",
                                                                             "default"],
               "prefetch": [1]}
     profile = profile_model(model, (tokens, tokens), "cuda")
     screened = max(screen(profile, c, 4, get_profile("h100-sxm")).peak_bytes
                    for c in candidates(4, 4, search))
-    planned = max(m.peak for m in plan_world(model, (tokens, tokens), world=4, zero=3,
-                                             device="cuda").memory)
+    planned = _zero3_peak(None)
     assert screened < planned  # the tiny model's plan holds more than the screen counts
     small = {**get_profile("h100-sxm").to_dict(), "name": "small",
              "memory_bytes": (screened + planned) // 2}
@@ -240,13 +271,11 @@ def test_a_model_that_fits_only_with_offload_gets_offload(tmp_path) -> None:
     """A device between the planned peaks of ZeRO-3 with and without optimizer offload: the
     tuner's exact layouts do not fit, so it ranks them again offloading the optimizer and
     picks one, instead of raising; its table lists both."""
-    model = GPT(GPTConfig.tiny(), seed=0)
-    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = _tiny()
+    tokens = _tokens()
     search = {"pp": [1], "zero": [3], "fused_loss": [True], "partitioner": ["min_cut"],
               "prefetch": [1]}
-    peaks = {offload: max(m.peak for m in plan_world(
-        model, (tokens, tokens), world=4, zero=3, device="cuda", offload=offload).memory)
-        for offload in (None, "optimizer")}
+    peaks = {offload: _zero3_peak(offload) for offload in (None, "optimizer")}
     assert peaks["optimizer"] < peaks[None]
     small = {**get_profile("h100-sxm").to_dict(), "name": "small",
              "memory_bytes": (peaks[None] + peaks["optimizer"]) // 2}
