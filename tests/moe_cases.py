@@ -42,9 +42,8 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int = 4
     batch: int = 8
-    # Decoder layers: two (pp=2 puts one in each stage), four where DualPipeV runs 2 * pp
-    # stages. Dynamo's trace of a model grows with its layers, and these cases are the
-    # suite's slowest.
+    # Decoder layers: two (pp=2 with 1F1B puts one in each stage). Dynamo's trace of a model
+    # grows with its layers, and these cases are among the suite's slowest.
     layers: int = 2
 
     @property
@@ -63,7 +62,6 @@ LAYOUTS = {
     "compiled": Layout(world=1, zero=None),
     "zero3": Layout(world=2, zero=3),
     "1f1b": Layout(world=2, zero=0, pp=2, schedule="1f1b"),
-    "dualpipev": Layout(world=2, zero=0, pp=2, schedule="dualpipev", layers=4),
     "pp2xdp2": Layout(world=4, zero=3, pp=2, schedule="1f1b", batch=16),
 }
 

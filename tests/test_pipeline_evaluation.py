@@ -6,9 +6,19 @@ without (logits alone), at a batch size training never used. Dynamo traces that 
 graph of its own (it guards on the grad mode), which zeroc compiles as an evaluation graph:
 forward-only stage graphs (no joint graph is exported) whose last stage returns the logits,
 made whole on every rank of the pipeline; a last batch that the micro-batch count does not
-divide runs as the nearest count that divides it. Here, after a training step, DualPipeV (whose last
-stage sits on one position, as in 1F1B, GPipe and ZB1P) at ZeRO 0 and DualPipe (whose last
-stages sit on both positions) at ZeRO 3 return eager's loss and logits on every rank.
+divide runs as the nearest count that divides it. Here, after a training step, DualPipeV
+(whose last stage sits on one position, as in 1F1B, GPipe and ZB1P) at ZeRO 0 and DualPipe
+(whose last stages sit on both positions) at ZeRO 3 return eager's loss and logits on every
+rank, evaluating 6 rows: a batch size training never used, which the 4 micro-batches do not
+divide. The Llama has one decoder layer per stage: four for DualPipeV's four stages at pp=2,
+two for DualPipe's two (Dynamo's trace grows with the layers).
+
+Each evaluation graph is a compile of its own on every rank, so each runs once: the call
+without labels (under ``torch.inference_mode()``) on DualPipeV alone (which positions hold the
+last stage is the schedule's business, whether the outputs hold a loss is not), and a batch
+the micro-batches divide is not evaluated apart (it runs the same forward-only schedule with
+the count asked for; ``tests/test_pipeline_losses.py`` evaluates a pipeline at its training
+batch).
 """
 
 from __future__ import annotations
@@ -23,11 +33,12 @@ import zeroc
 from zeroc.pipeline import pipeline_capture, stage_trace
 
 WORLD = 2
-# (schedule, micro-batches, zero): the last stage on one position (DualPipeV, as 1F1B, GPipe
-# and ZB1P have it) and on both (DualPipe)
-CASES = (("dualpipev", 4, 0), ("dualpipe", 4, 3))
-# (batch, sequence length): evaluation at another batch size, and a last batch of 6 rows
-TRAIN, EVAL, LAST = (8, 8), (4, 12), (6, 8)
+# (schedule, micro-batches, zero, decoder layers, also called without labels): the last stage
+# on one position (DualPipeV, as 1F1B, GPipe and ZB1P have it) and on both (DualPipe)
+CASES = (("dualpipev", 4, 0, 4, True), ("dualpipe", 4, 3, 2, False))
+# (batch, sequence length): evaluation at a batch size training never used, 6 rows, which the
+# 4 micro-batches do not divide (a last batch)
+TRAIN, EVAL = (8, 8), (6, 12)
 
 
 class Outputs(nn.Module):
@@ -41,12 +52,12 @@ class Outputs(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, use_cache=False)
 
 
-def _model() -> nn.Module:
+def _model(layers: int) -> nn.Module:
     torch.manual_seed(1)
-    return Outputs(hf.build("llama", layers=4))
+    return Outputs(hf.build("llama", layers=layers))
 
 
-def _steps(run, model: nn.Module, optimizer: torch.optim.Optimizer,
+def _steps(run, model: nn.Module, optimizer: torch.optim.Optimizer, plain: bool,
            trained=lambda: None) -> dict:
     model.train()
     out = run(*hf.token_batch(*TRAIN, seed=0))
@@ -58,13 +69,11 @@ def _steps(run, model: nn.Module, optimizer: torch.optim.Optimizer,
     ids, labels = hf.token_batch(*EVAL, seed=1)
     with torch.no_grad():
         scored = run(ids, labels)
-    with torch.inference_mode():
-        plain = run(ids)
-    with torch.no_grad():  # a last batch no micro-batch count of the options divides
-        last = run(*hf.token_batch(*LAST, seed=2))
-    return {"train": out.loss.item(), "loss": scored.loss.item(), "last": last.loss.item(),
-            "logits": scored.logits.clone(), "plain": plain.logits.clone(),
-            "last_logits": last.logits.clone()}
+    out = {"train": out.loss.item(), "loss": scored.loss.item(), "logits": scored.logits.clone()}
+    if plain:  # without labels: the logits alone
+        with torch.inference_mode():
+            out["plain"] = run(ids).logits.clone()
+    return out
 
 
 def evaluation_job(rank: int, world: int) -> dict:
@@ -79,14 +88,14 @@ def evaluation_job(rank: int, world: int) -> dict:
     pipeline_capture.export_stage = stage_trace.export_stage = counted
     trained: list[int] = []  # the exports when each case's training step ends
     out = {}
-    for schedule, microbatches, zero in CASES:
+    for schedule, microbatches, zero, layers, plain in CASES:
         torch._dynamo.reset()
-        model = zeroc.parallelize(_model(), zero=zero, pp=world)
+        model = zeroc.parallelize(_model(layers), zero=zero, pp=world)
         compiled = torch.compile(model, backend="zeroc",
                                  options={"schedule": schedule, "microbatches": microbatches})
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         joints.clear()
-        result = _steps(compiled, model, optimizer, lambda: trained.append(len(joints)))
+        result = _steps(compiled, model, optimizer, plain, lambda: trained.append(len(joints)))
         result["training_exports"] = joints[:trained[-1]]
         result["evaluation_exports"] = joints[trained[-1]:]
         # The plan stays the training step's: the evaluation's Program is not the one shown.
@@ -99,23 +108,25 @@ def evaluation_job(rank: int, world: int) -> dict:
 @pytest.mark.timeout(900)
 def test_pipeline_evaluation_returns_eager_outputs_on_every_rank() -> None:
     ranks = run_ranks(evaluation_job, WORLD, timeout=850)
-    model = _model()
-    expected = _steps(model, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for rank, result in enumerate(ranks):
-        for schedule, _, _ in CASES:
+    for schedule, _, _, layers, plain in CASES:
+        model = _model(layers)
+        expected = _steps(model, model, torch.optim.SGD(model.parameters(), lr=0.1), plain)
+        for rank, result in enumerate(ranks):
             got = result[schedule]
             where = f"rank {rank}, {schedule}"
-            # Training exports joint graphs; the evaluation (two graphs: with and without
-            # labels) exports forward-only graphs alone.
+            # Training exports joint graphs; the evaluation (with labels, and on DualPipeV
+            # without) exports forward-only graphs alone.
             assert True in got["training_exports"], (where, got["training_exports"])
             assert got["evaluation_exports"] and True not in got["evaluation_exports"], (
                 where, got["evaluation_exports"])
             assert any(name.endswith(".backward") for name in got["plan_graphs"]), (
                 where, got["plan_graphs"])
-            for key in ("train", "loss", "last"):
+            assert set(got) - set(expected) == {
+                "training_exports", "evaluation_exports", "plan_graphs"}, (where, set(got))
+            for key in ("train", "loss"):
                 torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(expected[key]),
                                            rtol=1e-5, atol=1e-6, msg=f"{where}: {key}")
-            for key in ("logits", "plain", "last_logits"):
+            for key in ("logits", "plain")[:1 + plain]:
                 assert got[key].device.type == "cpu", (where, key, got[key].device)
                 torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-5,
                                            msg=f"{where}: {key}")

@@ -1,10 +1,17 @@
 """Compiled ZeRO on gloo ranks: parity with single-process eager, counted collectives and bytes.
 
-One 2-rank job (module fixture) trains the zoo GPT and Llama through
-``torch.compile(..., backend="zeroc")`` at every ZeRO stage, each rank on its slice of the
-global batch, and returns losses, full state dicts, the plan's collectives and the model-state
-bytes that exist on the rank. The tests compare them with single-process eager on the global
-batch and with the ZeRO paper's arithmetic.
+One 2-rank job (module fixture) trains the zoo GPT through ``torch.compile(...,
+backend="zeroc")`` at every ZeRO stage and the zoo Llama at ZeRO-3, each rank on its slice of
+the global batch, and returns losses, full state dicts, the plan's collectives and the
+model-state bytes that exist on the rank. The tests compare them with single-process eager on
+the global batch and with the ZeRO paper's arithmetic. A 4-rank job repeats that for the GPT
+at ZeRO-1 and ZeRO-3, so every figure that divides by the ranks is checked at N=4 too.
+
+Not run here: the Llama at ZeRO 0 to 2 (the stages' graphs do not depend on the model: the
+GPT runs them, and the Llama's own parts, untied head and rotary buffers, run at ZeRO-3,
+the stage that gathers every parameter); ZeRO-0 and ZeRO-2 at 4 ranks (ZeRO-0's figures do not
+depend on N and run at 2 ranks; ZeRO-2 holds what ZeRO-3 holds at rest, checked at N=4, and
+moves what ZeRO-1 moves, checked at N=4).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
 from parity import ADAM, assert_tensors_match
 
-from zeroc.passes.zero import module_unit
+from zeroc.passes.zero_buckets import module_unit
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -137,11 +144,14 @@ def train_compiled(rank: int, world: int, name: str, zero: int, options: dict,
     }
 
 
+# (model, ZeRO stage) at 2 ranks: every stage on the GPT, ZeRO-3 on the Llama.
+TWO_RANK_CASES = (("gpt", 0), ("gpt", 1), ("gpt", 2), ("gpt", 3), ("llama", 3))
+
+
 def two_rank_job(rank: int, world: int) -> dict:
     results = {}
-    for name in MODELS:
-        for zero in (0, 1, 2, 3):
-            results[(name, zero)] = train_compiled(rank, world, name, zero, {"bucket_mb": 0.01})
+    for name, zero in TWO_RANK_CASES:
+        results[(name, zero)] = train_compiled(rank, world, name, zero, {"bucket_mb": 0.01})
     results["large_buckets"] = train_compiled(rank, world, "gpt", 3,
                                               {"bucket_mb": 1000, "fused_loss": True})
     results["bf16"] = train_compiled(rank, world, "gpt", 3, {}, mixed_precision="bf16")
@@ -152,9 +162,9 @@ def two_rank_job(rank: int, world: int) -> dict:
     return results
 
 
-# At 4 ranks (among the suite's slowest cases): every stage on the GPT; the 2-rank job runs
-# every (model, stage).
-FOUR_RANK_CASES = (("gpt", 0), ("gpt", 1), ("gpt", 2), ("gpt", 3))
+# At 4 ranks (among the suite's slowest cases): the GPT at ZeRO-1 and ZeRO-3, the stages whose
+# figures at N=4 the others' follow from (the module docstring says which).
+FOUR_RANK_CASES = (("gpt", 1), ("gpt", 3))
 
 
 def four_rank_job(rank: int, world: int) -> dict:
@@ -182,8 +192,7 @@ def check_parity(got: dict, name: str, zero: int, world: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(("name", "zero"), TWO_RANK_CASES)
 def test_two_ranks_match_eager_global_batch(two_ranks, name: str, zero: int) -> None:
     check_parity(two_ranks[0][(name, zero)], name, zero, 2)
 
@@ -356,34 +365,41 @@ def test_zero3_state_on_a_rank_is_16_psi_over_nd(two_ranks) -> None:
 
 
 def check_stage_figures(results: list[dict], world: int,
-                        models: tuple[str, ...] = tuple(MODELS)) -> None:
-    """Per stage: the plan's bytes at rest equal what the rank holds, and the plan's bytes
-    moved per step follow the ZeRO arithmetic (Psi fp32 elements, N ranks)."""
-    for name in models:
-        got = {z: [r[(name, z)] for r in results] for z in (0, 1, 2, 3)}
-        psi, padded = got[0][0]["numel"] * 4, got[3][0]["padded_numel"] * 4
-        for zero in (0, 1, 2, 3):
+                        cases: tuple[tuple[str, int], ...]) -> None:
+    """Per (model, stage) of ``cases``: the plan's bytes at rest equal what the rank holds,
+    and the plan's bytes moved per step follow the ZeRO arithmetic (Psi fp32 elements, N
+    ranks)."""
+    for name in dict.fromkeys(name for name, _ in cases):
+        stages = [zero for model, zero in cases if model == name]
+        got = {z: [r[(name, z)] for r in results] for z in stages}
+        psi = got[stages[0]][0]["numel"] * 4
+        for zero in stages:
             for rank_result in got[zero]:
                 params, grads, optimizer, moved = rank_result["plan_memory"][0]
                 assert params + grads + optimizer == rank_result["at_rest"], (name, zero)
         rest = {z: sum(sum(m[0][:3]) for m in (r["plan_memory"] for r in got[z])) / world
                 for z in got}
         moved = {z: got[z][0]["plan_memory"][0][3] for z in got}
-        assert rest[0] == 4 * psi and moved[0] == 2 * psi
+        padded = got[3][0]["padded_numel"] * 4  # every model of cases runs ZeRO-3
+        if 0 in got:
+            assert rest[0] == 4 * psi and moved[0] == 2 * psi
         # ZeRO-1: whole parameters, this rank's rows of gradients and moments; DeepSpeed's
         # traffic (a reduce-scatter and an all-gather of the padded rows), ZeRO-2's.
-        assert rest[1] == psi + 3 * psi / world and moved[1] == moved[2] == 2 * padded
-        assert rest[2] == rest[3] == (padded + 3 * psi) / world
-        assert moved[2] == 2 * padded and 2 * padded < moved[3] <= 3 * padded
+        if 1 in got:
+            assert rest[1] == psi + 3 * psi / world and moved[1] == 2 * padded
+        if 2 in got:
+            assert rest[2] == (padded + 3 * psi) / world and moved[2] == 2 * padded
+        assert rest[3] == (padded + 3 * psi) / world
+        assert 2 * padded < moved[3] <= 3 * padded
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_stage_memory_and_traffic_on_two_ranks(two_ranks) -> None:
-    check_stage_figures(two_ranks, 2)
+    check_stage_figures(two_ranks, 2, TWO_RANK_CASES)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_stage_memory_and_traffic_on_four_ranks(four_ranks) -> None:
-    check_stage_figures(four_ranks, 4, models=("gpt",))  # every stage runs on the GPT
+    check_stage_figures(four_ranks, 4, FOUR_RANK_CASES)
